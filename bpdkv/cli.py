@@ -1,0 +1,196 @@
+"""Command line: parse, call the library, print, exit. No business rules here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from bpdkv import __version__
+from bpdkv.errors import BpdkvError, Diagnostic, InvalidTopology
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _red(line: str) -> None:
+    click.secho(line, fg="red", err=True)
+
+
+def _yellow(line: str) -> None:
+    click.secho(line, fg="yellow", err=True)
+
+
+def user_errors(fn: F) -> F:
+    """Turn every BpdkvError into red lines + exit 1. Anything else is a bug and keeps its traceback."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BpdkvError as exc:
+            if isinstance(exc, InvalidTopology):
+                for w in exc.warnings:
+                    _yellow(w.format())
+            for line in exc.lines():
+                _red(line)
+            sys.exit(exc.exit_code)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="bpdkv")
+def main() -> None:
+    """Deploy vLLM prefill/decode fleets with bidirectional KV-cache transfer."""
+
+
+def _load(path: str) -> Any:
+    from bpdkv.topology.loader import load_topology
+
+    return load_topology(Path(path), path)
+
+
+@main.command()
+@click.argument("topology", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--output", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def validate(topology: str, output: str) -> None:
+    """Check a topology (schema + semantic rules); print every problem, one line each."""
+    from bpdkv.topology.loader import load_topology
+
+    errors: list[Diagnostic] = []
+    warnings: list[Diagnostic] = []
+    summary = None
+    try:
+        result = load_topology(Path(topology), topology)
+        warnings = result.warnings
+        t = result.topology
+        summary = {
+            "name": t.name,
+            "nodes": len(t.nodes),
+            "prefill": len(t.instances("prefill")),
+            "decode": len(t.instances("decode")),
+            "router": len(t.instances("router")),
+        }
+    except InvalidTopology as exc:
+        errors, warnings = exc.errors, exc.warnings
+    if output == "json":
+        click.echo(
+            json.dumps(
+                {
+                    "file": topology,
+                    "valid": not errors,
+                    "summary": summary,
+                    "errors": [e.to_json() for e in errors],
+                    "warnings": [w.to_json() for w in warnings],
+                },
+                indent=2,
+            )
+        )
+    else:
+        for w in warnings:
+            _yellow(w.format())
+        for e in errors:
+            _red(e.format())
+        if summary:
+            click.echo(
+                f"{topology}: valid — topology {summary['name']}: {summary['nodes']} node(s), "
+                f"{summary['prefill']} prefill, {summary['decode']} decode, {summary['router']} router"
+            )
+        else:
+            click.echo(f"{topology}: {len(errors)} error(s)", err=True)
+    sys.exit(1 if errors else 0)
+
+
+@main.command()
+@click.argument("topology", type=click.Path(path_type=str))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Folder; one sub-folder per host.")
+@user_errors
+def render(topology: str, out_dir: Path) -> None:
+    """Render units, env files, launch scripts and router configs, one folder per host."""
+    from bpdkv.errors import UsageError
+    from bpdkv.render import render_topology, write_artifacts
+
+    result = _load(topology)  # raises before anything is written
+    for w in result.warnings:
+        _yellow(w.format())
+    artifacts = render_topology(result.topology)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out {out_dir}: exists and is not a folder")
+    written = write_artifacts(artifacts, out_dir)
+    hosts = sorted({a.host for a in artifacts})
+    click.echo(f"rendered {len(written)} file(s) for {len(hosts)} host(s) into {out_dir}/ ({', '.join(hosts)})")
+
+
+@main.command()
+@click.option("--name", required=True, help="Topology name (lowercase, digits, '-').")
+@click.option("--model", "model", required=True, help="Model profile, see `bpdkv profiles list`.")
+@click.option("--hardware", required=True, help="Hardware preset, see `bpdkv profiles list`.")
+@click.option("--prefill", default=1, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--decode", default=1, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--prefill-tp", default=1, show_default=True, type=click.IntRange(1, 64))
+@click.option("--decode-tp", default=1, show_default=True, type=click.IntRange(1, 64))
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --output file.")
+@user_errors
+def init(
+    name: str, model: str, hardware: str, prefill: int, decode: int, prefill_tp: int, decode_tp: int, output: Path | None, force: bool
+) -> None:
+    """Scaffold a commented topology from a model profile and a hardware preset."""
+    from bpdkv.errors import UsageError
+    from bpdkv.init import InitRequest, scaffold_topology
+    from bpdkv.topology.load import parse_yaml
+    from bpdkv.topology.loader import validate_document
+
+    text = scaffold_topology(InitRequest(name, model, hardware, prefill, decode, prefill_tp, decode_tp))
+    validate_document(parse_yaml(text, str(output or "<init>")))  # never hand out a topology that does not validate
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    if output.exists() and not force:
+        raise UsageError(f"{output} exists; pass --force to overwrite it")
+    output.write_text(text, encoding="utf-8")
+    click.echo(f"wrote {output}; next: bpdkv validate {output}")
+
+
+@main.group()
+def profiles() -> None:
+    """Model profiles and hardware presets."""
+
+
+@profiles.command("list")
+def profiles_list() -> None:
+    """List model profiles and hardware presets with their descriptions."""
+    from bpdkv.topology.profiles import KINDS, list_profiles, load_profile
+
+    for kind in KINDS:
+        click.secho("models:" if kind == "models" else "hardware:", bold=True)
+        for ref in list_profiles(kind):
+            data = load_profile(ref).data
+            click.echo(f"  {ref.name:<24} {data.get('description', '') if isinstance(data, dict) else ''}")
+
+
+@profiles.command("show")
+@click.argument("name")
+@user_errors
+def profiles_show(name: str) -> None:
+    """Print one profile with its comments (where each value comes from)."""
+    from bpdkv.errors import UsageError
+    from bpdkv.topology.profiles import KINDS, find_profile, list_profiles, suggest
+
+    for kind in KINDS:
+        ref = find_profile(kind, name)
+        if ref is not None:
+            click.echo(f"# {ref.kind}/{ref.path.name}")
+            click.echo(ref.path.read_text(encoding="utf-8"), nl=False)
+            return
+    names = [p.name for kind in KINDS for p in list_profiles(kind)]
+    raise UsageError(f"unknown profile '{name}'; {suggest(name, names)}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

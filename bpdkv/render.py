@@ -1,0 +1,218 @@
+"""Render a validated topology into per-host files. Pure: model in, artifacts out (no clock, no network)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+
+from bpdkv import __version__
+from bpdkv.errors import RenderError
+from bpdkv.resources import templates_dir
+from bpdkv.topology.model import Instance, Node, Topology
+
+UNIT_DIR = "/etc/systemd/system"
+CONFIG_DIR = "/etc/bpdkv"
+BIN_DIR = "/opt/bpdkv/bin"
+STATE_DIR = "/var/lib/bpdkv"
+# Seconds systemd waits for a stop before SIGKILL; vLLM's engine + NIXL teardown takes well under a minute.
+STOP_TIMEOUT = 120
+BPDKV_CONNECTOR_MODULE = "bpdkv.vllm_plugin.connector"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One file bpdkv manages on one host."""
+
+    host: str  # node name
+    path: str  # absolute path on the host
+    mode: int
+    content: str
+    instance: str | None = None
+    unit: str | None = None  # set on the unit file itself
+    secret: bool = False  # content is redacted in diffs
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["sh"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> dict[str, Any]:
+    kv = topology.kv_transfer
+    extra: dict[str, Any] = {
+        "backends": [kv.backend],
+        "bidirectional_kv_xfer": kv.bidirectional,
+        "kv_lease_duration": kv.kv_lease_duration,
+    }
+    if kv.bidirectional:
+        extra["decoder_kv_blocks_ttl"] = kv.decoder_kv_blocks_ttl
+        extra["kv_recompute_threshold"] = kv.kv_recompute_threshold
+    config: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if instance.role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu" if node.accelerator == "cpu" else "cuda",
+        "kv_load_failure_policy": kv.kv_load_failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+    if kv.connector == "bpdkv":
+        config["kv_connector"] = "BpdkvNixlConnector"
+        config["kv_connector_module_path"] = BPDKV_CONNECTOR_MODULE
+        extra["unverified_reuse"] = kv.unverified_reuse
+    return config
+
+
+def vllm_argv(topology: Topology, instance: Instance, node: Node) -> list[str]:
+    m = topology.model
+    argv = [
+        f"{topology.vllm.venv}/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        # A per-instance model override names another model, so the local path only applies to model.id.
+        "--model",
+        (m.path or m.id) if instance.model_id == m.id else instance.model_id,
+        "--served-model-name",
+        m.served_name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(instance.port),
+        "--dtype",
+        m.dtype,
+        "--kv-cache-dtype",
+        instance.kv_cache_dtype,
+        "--block-size",
+        str(instance.block_size),
+        "--tensor-parallel-size",
+        str(instance.tp),
+    ]
+    if instance.dp > 1:
+        argv += ["--data-parallel-size", str(instance.dp)]
+    if m.max_model_len:
+        argv += ["--max-model-len", str(m.max_model_len)]
+    if m.tokenizer:
+        argv += ["--tokenizer", m.tokenizer]
+    if m.trust_remote_code and "--trust-remote-code" not in topology.vllm.extra_args:
+        argv.append("--trust-remote-code")
+    argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(topology, instance, node), separators=(",", ":"))]
+    argv += list(topology.vllm.extra_args) + list(instance.extra_args)
+    return argv
+
+
+def vllm_env(topology: Topology, instance: Instance, node: Node) -> list[tuple[str, str]]:
+    env: dict[str, str] = {}
+    if node.accelerator == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in instance.gpus)
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node.data_plane_address
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(instance.side_channel_port)
+    env.update(instance.env)  # hardware preset < vllm.env < node.env < instance.env
+    return sorted(env.items())
+
+
+def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
+    r = topology.router
+
+    def upstreams(role: str) -> list[dict[str, str]]:
+        return [{"name": i.name, "url": f"http://{n.data_plane_address}:{i.port}"} for n, i in topology.instances(role)]
+
+    return {
+        "topology": topology.name,
+        "listen": r.listen,
+        "port": instance.port,
+        "model": topology.model.served_name,
+        "prefill": upstreams("prefill"),
+        "decode": upstreams("decode"),
+        "state": r.state,
+        "session_identity": r.session_identity,
+        "session_ttl": r.session_ttl,
+        "expiry_margin": r.ttl_margin,
+        "reuse": r.reuse and topology.kv_transfer.bidirectional,
+        "api_keys_file": r.api_keys_file,
+        "backend_api_key_env": "BPDKV_BACKEND_API_KEY",
+        "timeouts": {"connect": 5, "prefill": 600, "decode_first_byte": 600, "decode_idle": 300},
+        "health": {"interval": 5, "failures_to_eject": 3, "backoff_max": 60},
+    }
+
+
+def argv_lines(argv: list[str]) -> list[str]:
+    """Shell-quoted command, one flag (with its value) per line, for readable launch scripts."""
+    lines: list[str] = []
+    for i, token in enumerate(argv):
+        quoted = shlex.quote(token)
+        if lines and not token.startswith("-") and argv[i - 1].startswith("--") and lines[-1] == shlex.quote(argv[i - 1]):
+            lines[-1] += " " + quoted
+        elif i in (1, 2) and argv[1:3] == ["-m", argv[2]] and lines:
+            lines[-1] += " " + quoted  # keep "python -m module" together
+        else:
+            lines.append(quoted)
+    return lines
+
+
+def render_topology(topology: Topology) -> list[Artifact]:
+    """Every file of every host, in a stable order."""
+    env = _env()
+    out: list[Artifact] = []
+
+    def render(template: str, **ctx: Any) -> str:
+        try:
+            return env.get_template(template).render(topology=topology, bpdkv_version=__version__, **ctx)
+        except jinja2.TemplateError as exc:
+            raise RenderError(f"template {template}: {exc}") from None
+
+    for node in topology.nodes:
+        for inst in node.instances:
+            launch = f"{BIN_DIR}/{inst.name}.sh"
+            env_file = f"{CONFIG_DIR}/{inst.name}.env"
+            if inst.role == "router":
+                config_path = f"{CONFIG_DIR}/{inst.name}.router.yaml"
+                config = router_config(topology, inst)
+                header = f"# Managed by bpdkv (topology {topology.name}): router {inst.name}. Schema: schemas/router.schema.json\n"
+                out.append(Artifact(node.name, config_path, 0o644, header + yaml.safe_dump(config, sort_keys=False), inst.name))
+                argv = [f"{topology.vllm.venv}/bin/bpdkv", "router", "--config", config_path]
+                env_items = sorted(dict(inst.env).items())
+                script = render("launch.sh.j2", node=node, instance=inst, argv_lines=argv_lines(argv), env_file=env_file)
+            else:
+                argv = vllm_argv(topology, inst, node)
+                env_items = vllm_env(topology, inst, node)
+                script = render("launch.sh.j2", node=node, instance=inst, argv_lines=argv_lines(argv), env_file=env_file)
+            out.append(
+                Artifact(node.name, env_file, 0o600, render("instance.env.j2", instance=inst, env=env_items), inst.name, secret=True)
+            )
+            out.append(Artifact(node.name, launch, 0o755, script, inst.name))
+            unit = render(
+                "instance.service.j2",
+                node=node,
+                instance=inst,
+                user=topology.vllm.user,
+                launch_script=launch,
+                work_dir=f"{STATE_DIR}/{inst.name}",
+                start_timeout=topology.vllm.start_timeout,
+                stop_timeout=STOP_TIMEOUT,
+            )
+            out.append(Artifact(node.name, f"{UNIT_DIR}/{inst.unit}", 0o644, unit, inst.name, unit=inst.unit))
+    return out
+
+
+def write_artifacts(artifacts: list[Artifact], out_dir: Path) -> list[Path]:
+    """Lay artifacts out as <out>/<host>/<absolute path>, e.g. out/p5en-a/etc/systemd/system/x.service."""
+    written = []
+    for art in artifacts:
+        target = out_dir / art.host / art.path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(art.content, encoding="utf-8")
+        target.chmod(art.mode)
+        written.append(target)
+    return written

@@ -1,0 +1,1 @@
+"""Topology pipeline: load (YAML + profiles) → schema → model → checks."""

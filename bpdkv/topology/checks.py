@@ -1,0 +1,300 @@
+"""Semantic rules the schema cannot express. Each rule yields Problems; all are reported at once."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from bpdkv.topology.load import PathKey
+from bpdkv.topology.model import Instance, Node, Topology
+
+# First vLLM release with bidirectional_kv_xfer in the NixlConnector.
+MIN_BIDIRECTIONAL_VLLM = (0, 21)
+# P declines a read within 5 s of D's expiry; the router must stop handing params out before that.
+MIN_TTL_MARGIN = 6
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: PathKey
+    message: str
+    severity: str = "error"
+
+
+Rule = Callable[[Topology], Iterator[Problem]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def run_checks(topology: Topology) -> list[Problem]:
+    out: list[Problem] = []
+    for check in RULES:
+        out.extend(check(topology))
+    return out
+
+
+def _is_loopback(address: str) -> bool:
+    if address.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+@rule
+def duplicate_nodes(t: Topology) -> Iterator[Problem]:
+    seen_name: dict[str, Node] = {}
+    seen_host: dict[str, Node] = {}
+    seen_dp: dict[str, Node] = {}
+    for node in t.nodes:
+        if node.name in seen_name:
+            yield Problem(node.path + ("name",), f"duplicate node name '{node.name}' (also nodes[{seen_name[node.name].path[1]}])")
+        else:
+            seen_name[node.name] = node
+        if node.host in seen_host:
+            other = seen_host[node.host]
+            yield Problem(node.path + ("host",), f"address '{node.host}' is also used by node '{other.name}'; each node needs its own host")
+        else:
+            seen_host[node.host] = node
+        if node.data_plane_address != node.host or "data_plane_address" in t.raw["nodes"][node.path[1]]:
+            if node.data_plane_address in seen_dp:
+                other = seen_dp[node.data_plane_address]
+                yield Problem(
+                    node.path + ("data_plane_address",),
+                    f"data-plane address '{node.data_plane_address}' is also used by node '{other.name}'",
+                )
+        seen_dp.setdefault(node.data_plane_address, node)
+
+
+@rule
+def duplicate_instance_names(t: Topology) -> Iterator[Problem]:
+    seen: dict[str, Instance] = {}
+    for _, inst in t.instances():
+        if inst.name in seen:
+            yield Problem(inst.path + ("name",), f"instance name '{inst.name}' is used twice (unit names must be unique); rename one")
+        seen[inst.name] = inst
+
+
+@rule
+def port_collisions(t: Topology) -> Iterator[Problem]:
+    for node in t.nodes:
+        owner: dict[int, tuple[Instance, str]] = {}
+        for inst in node.instances:
+            claims = [(inst.port, "HTTP port", ("port",))]
+            claims += [
+                (p, f"side-channel port (dp rank {r})" if inst.dp > 1 else "side-channel port", ("side_channel_port",))
+                for r, p in enumerate(inst.side_channel_ports)
+            ]
+            for port, what, sub in claims:
+                if port in owner:
+                    other, other_what = owner[port]
+                    yield Problem(
+                        inst.path + sub,
+                        f"{what} {port} collides with {other_what} of '{other.name}' on node {node.name}; pick another port",
+                    )
+                else:
+                    owner[port] = (inst, what)
+                if port > 65535:
+                    yield Problem(inst.path + sub, f"{what} {port} is above 65535 (dp ranks add to the side-channel port)")
+
+
+@rule
+def gpu_assignment(t: Topology) -> Iterator[Problem]:
+    for node in t.nodes:
+        used: dict[int, Instance] = {}
+        for inst in node.instances:
+            if inst.role == "router":
+                if inst.gpus:
+                    yield Problem(inst.path + ("gpus",), "a router needs no GPUs; remove 'gpus'")
+                continue
+            if node.accelerator == "cpu":
+                if inst.gpus:
+                    yield Problem(inst.path + ("gpus",), f"node {node.name} is a CPU node (hardware {node.hardware}); remove 'gpus'")
+                continue
+            if not inst.gpus:
+                yield Problem(
+                    inst.path, f"{inst.role} instance '{inst.name}' lists no GPUs; add gpus: [..] (node {node.name} has {node.gpus})"
+                )
+                continue
+            for gi, gpu in enumerate(inst.gpus):
+                if gpu >= node.gpus:
+                    yield Problem(
+                        inst.path + ("gpus",),
+                        f"GPU {gpu} does not exist on node {node.name} ({node.gpus} GPUs, ids 0-{max(node.gpus - 1, 0)})",
+                    )
+                elif gpu in used:
+                    other = used[gpu]
+                    if other is inst:
+                        yield Problem(inst.path + ("gpus", gi), f"GPU {gpu} is listed twice")
+                    else:
+                        yield Problem(inst.path + ("gpus", gi), f"GPU {gpu} is also used by '{other.name}' on node {node.name}")
+                else:
+                    used[gpu] = inst
+            if inst.tp * inst.dp != len(inst.gpus):
+                yield Problem(
+                    inst.path,
+                    f"tp*dp = {inst.tp}*{inst.dp} = {inst.tp * inst.dp} but {len(inst.gpus)} GPUs are listed; they must be equal",
+                )
+
+
+@rule
+def roles_present(t: Topology) -> Iterator[Problem]:
+    for role in ("prefill", "decode", "router"):
+        if not t.instances(role):
+            yield Problem(("nodes",), f"no {role} instance; a P/D fleet needs at least one prefill, one decode and one router")
+
+
+@rule
+def pd_compatibility(t: Topology) -> Iterator[Problem]:
+    prefills = t.instances("prefill")
+    decodes = t.instances("decode")
+    if not prefills or not decodes:
+        return
+    arch = t.model.arch
+    for _, d in decodes:
+        for _, p in prefills:
+            if arch != "mla" and d.tp < p.tp:
+                yield Problem(
+                    d.path + ("tp",),
+                    f"decode tp {d.tp} < prefill tp {p.tp} ('{p.name}'); NIXL needs decode tp >= prefill tp for {arch} models",
+                )
+            if arch == "hybrid" and p.block_size != d.block_size:
+                yield Problem(
+                    d.path + ("block_size",),
+                    f"hybrid models need equal block sizes: prefill '{p.name}' {p.block_size}, decode {d.block_size}",
+                )
+            elif p.block_size > d.block_size:
+                yield Problem(
+                    p.path + ("block_size",),
+                    f"prefill block size {p.block_size} > decode block size {d.block_size} ('{d.name}'); use <= {d.block_size}",
+                )
+            if p.kv_cache_dtype != d.kv_cache_dtype:
+                yield Problem(
+                    d.path + ("kv_cache_dtype",),
+                    f"kv_cache_dtype '{d.kv_cache_dtype}' differs from prefill '{p.name}' ('{p.kv_cache_dtype}'); NIXL copies raw KV bytes, they must match",
+                )
+            if p.model_id != d.model_id:
+                yield Problem(
+                    d.path + ("model",),
+                    f"model '{d.model_id}' differs from prefill '{p.name}' ('{p.model_id}'); P and D must serve the same model",
+                )
+
+
+@rule
+def vllm_version(t: Topology) -> Iterator[Problem]:
+    if t.kv_transfer.bidirectional and _version_tuple(t.vllm.version)[:2] < MIN_BIDIRECTIONAL_VLLM:
+        need = ".".join(map(str, MIN_BIDIRECTIONAL_VLLM))
+        yield Problem(
+            ("vllm", "version"),
+            f"vLLM {t.vllm.version} has no bidirectional_kv_xfer; pin >= {need} or set kv_transfer.bidirectional: false",
+        )
+
+
+@rule
+def router_ttl(t: Topology) -> Iterator[Problem]:
+    r, kv = t.router, t.kv_transfer
+    if r.ttl_margin < MIN_TTL_MARGIN:
+        yield Problem(
+            ("router", "ttl_margin"),
+            f"ttl_margin {r.ttl_margin} s is too small: P declines reads within 5 s of expiry; use >= {MIN_TTL_MARGIN}",
+        )
+    limit = kv.decoder_kv_blocks_ttl - r.ttl_margin
+    if r.session_ttl_explicit and r.session_ttl > limit:
+        yield Problem(
+            ("router", "session_ttl"),
+            f"router session_ttl {r.session_ttl} s is not below decoder_kv_blocks_ttl {kv.decoder_kv_blocks_ttl} s minus "
+            f"ttl_margin {r.ttl_margin} s; use <= {max(limit, 0)} or omit it to derive it",
+        )
+    if kv.bidirectional and kv.decoder_kv_blocks_ttl <= r.ttl_margin:
+        yield Problem(
+            ("kv_transfer", "decoder_kv_blocks_ttl"),
+            f"decoder_kv_blocks_ttl {kv.decoder_kv_blocks_ttl} s leaves no reuse window after the router's {r.ttl_margin} s margin; "
+            "use a larger TTL",
+        )
+
+
+@rule
+def efa_backend(t: Topology) -> Iterator[Problem]:
+    kv = t.kv_transfer
+    efa_nodes = [n.name for n in t.nodes if n.efa_devices > 0]
+    if kv.backend == "UCX" and efa_nodes and not kv.allow_ucx_on_efa:
+        yield Problem(
+            ("kv_transfer", "backend"),
+            f"UCX on EFA hardware ({', '.join(efa_nodes)}) silently falls back to TCP (~100x slower); use LIBFABRIC, "
+            "or set allow_ucx_on_efa: true if you really mean it",
+        )
+    if kv.backend == "LIBFABRIC":
+        for node in t.nodes:
+            if node.efa_devices == 0 and any(i.role != "router" for i in node.instances):
+                yield Problem(node.path, f"LIBFABRIC backend but node {node.name} has no EFA devices; use UCX there or fix efa_devices")
+
+
+@rule
+def side_channel_address(t: Topology) -> Iterator[Problem]:
+    pd_nodes = [n for n in t.nodes if any(i.role in ("prefill", "decode") for i in n.instances)]
+    hosts = {n.host for n in pd_nodes}
+    if len(hosts) < 2:
+        return
+    for node in pd_nodes:
+        if _is_loopback(node.data_plane_address):
+            yield Problem(
+                node.path + ("data_plane_address" if "data_plane_address" in t.raw["nodes"][node.path[1]] else "host",),
+                f"NIXL side channel would advertise loopback '{node.data_plane_address}' but P and D run on different hosts; "
+                "set data_plane_address to the node's routable address",
+            )
+
+
+@rule
+def conflicting_args(t: Topology) -> Iterator[Problem]:
+    owned = {
+        "--block-size": "block_size",
+        "--kv-cache-dtype": "kv_cache_dtype",
+        "--kv-transfer-config": "kv_transfer",
+        "--tensor-parallel-size": "tp",
+        "-tp": "tp",
+        "--data-parallel-size": "dp",
+        "--port": "port",
+        "--max-model-len": "model.max_model_len",
+        "--served-model-name": "model.served_name",
+    }
+    for source_path, args in [(("vllm", "extra_args"), t.vllm.extra_args)] + [
+        (inst.path + ("extra_args",), inst.extra_args) for _, inst in t.instances() if inst.role != "router"
+    ]:
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in owned:
+                yield Problem(source_path, f"'{flag}' is set by bpdkv; use the topology field '{owned[flag]}' instead")
+
+
+@rule
+def warnings(t: Topology) -> Iterator[Problem]:
+    for _, inst in t.instances():
+        args = set(t.vllm.extra_args) | set(inst.extra_args)
+        if inst.role == "prefill" and "--no-enable-prefix-caching" in args:
+            yield Problem(inst.path, "prefix caching is off on prefill: every turn recomputes what P already had", "warning")
+        if any("kv_both" in a for a in args):
+            yield Problem(inst.path, "kv_role kv_both is deprecated in vLLM; bpdkv sets kv_producer / kv_consumer", "warning")
+    if t.kv_transfer.bidirectional and any(n.accelerator == "gpu" for n in t.nodes) and t.model.block_size < 64:
+        yield Problem(
+            ("model", "block_size"),
+            f"block_size {t.model.block_size} makes NIXL pulls descriptor-bound on GPUs (reuse gains vanish); 128 is recommended",
+            "warning",
+        )
+    routers = t.instances("router")
+    if len(routers) > 1 and t.router.state == "memory":
+        yield Problem(
+            ("router", "state"), f"{len(routers)} routers with in-memory state do not share sessions; use a redis:// URL", "warning"
+        )
+    if t.kv_transfer.unverified_reuse == "allow":
+        yield Problem(("kv_transfer", "unverified_reuse"), "unverified reuse can copy KV of different tokens (wrong answers)", "warning")

@@ -1,0 +1,136 @@
+"""The front of the pipeline: file → YAML → profiles merged → schema → model → checks."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bpdkv.errors import Diagnostic, InvalidTopology
+from bpdkv.topology import checks, schema
+from bpdkv.topology.load import LoadedDocument, PathKey, Position, SourceMap, format_path, load_yaml_file
+from bpdkv.topology.model import Topology, build_topology
+from bpdkv.topology.profiles import find_profile, list_profiles, load_profile, suggest
+
+# Keys a hardware preset may fill on a node; everything else in the preset is documentation.
+HARDWARE_NODE_KEYS = ("accelerator", "gpus", "gpu_model", "efa_devices", "env")
+
+
+@dataclass(frozen=True)
+class ValidatedTopology:
+    topology: Topology
+    warnings: list[Diagnostic]
+    file: str
+
+
+def deep_merge(base: Any, override: Any) -> Any:
+    """Mappings merge key by key; anything else (lists included) is replaced by the override."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            out[key] = deep_merge(base[key], value) if key in base else value
+        return out
+    return copy.deepcopy(override)
+
+
+def _diag(source: SourceMap, path: PathKey, message: str, severity: str = "error") -> Diagnostic:
+    pos = source.locate(path)
+    return Diagnostic(
+        message=message,
+        path=format_path(path),
+        file=pos.file if pos else None,
+        line=pos.line if pos else None,
+        column=pos.column if pos else None,
+        severity=severity,
+    )
+
+
+def _rebase(source: SourceMap, prefix: PathKey, skip_root: bool = True) -> SourceMap:
+    out = SourceMap()
+    for path, pos in source.positions.items():
+        if skip_root and not path:
+            continue
+        out.positions[prefix + path] = pos
+    return out
+
+
+def _load_preset(
+    kind: str, name: Any, where: PathKey, doc: LoadedDocument, definition: str, errors: list[Diagnostic]
+) -> LoadedDocument | None:
+    if not isinstance(name, str):
+        return None  # the schema reports the wrong type
+    ref = find_profile(kind, name)
+    if ref is None:
+        what = "model profile" if kind == "models" else "hardware preset"
+        names = [p.name for p in list_profiles(kind)]
+        errors.append(_diag(doc.source, where, f"unknown {what} '{name}'; {suggest(name, names)}"))
+        return None
+    try:
+        preset = load_profile(ref)
+    except InvalidTopology as exc:
+        errors.extend(exc.errors)
+        return None
+    preset_errors = schema.validate(preset.data, preset.source, definition)
+    if preset_errors:
+        errors.extend(preset_errors)
+        return None
+    return preset
+
+
+def merge_presets(doc: LoadedDocument) -> tuple[Any, SourceMap, list[Diagnostic]]:
+    """Profiles fill defaults; the topology overrides them. Positions follow the value's origin."""
+    errors: list[Diagnostic] = []
+    data = doc.data
+    if not isinstance(data, dict):
+        return data, doc.source, errors
+    merged: dict[str, Any] = data
+    source = SourceMap()
+    if "profile" in data:
+        preset = _load_preset("models", data["profile"], ("profile",), doc, "modelProfile", errors)
+        if preset is not None:
+            layer = {k: v for k, v in preset.data.items() if k != "description"}
+            merged = deep_merge(layer, data)
+            source.overlay(_rebase(preset.source, ()))
+    nodes = merged.get("nodes")
+    if isinstance(nodes, list):
+        new_nodes = []
+        for ni, node in enumerate(nodes):
+            if isinstance(node, dict) and "hardware" in node:
+                preset = _load_preset("hardware", node["hardware"], ("nodes", ni, "hardware"), doc, "hardwareProfile", errors)
+                if preset is not None:
+                    layer = {k: v for k, v in preset.data.items() if k in HARDWARE_NODE_KEYS}
+                    node = deep_merge(layer, node)
+                    source.overlay(_rebase(preset.source, ("nodes", ni)))
+            new_nodes.append(node)
+        merged = dict(merged, nodes=new_nodes)
+    source.overlay(doc.source)  # the topology's own positions win
+    return merged, source, errors
+
+
+def validate_document(doc: LoadedDocument) -> ValidatedTopology:
+    if not isinstance(doc.data, dict):
+        kind = type(doc.data).__name__
+        raise InvalidTopology(
+            [Diagnostic(f"top level must be a mapping (apiVersion, name, model, nodes, ...), got {kind}", file=doc.file, line=1, column=1)]
+        )
+    merged, source, errors = merge_presets(doc)
+    errors += schema.validate(merged, source)
+    if errors:
+        raise InvalidTopology(errors)
+    topology = build_topology(merged)
+    problems = checks.run_checks(topology)
+    errors = [_diag(source, p.path, p.message) for p in problems if p.severity == "error"]
+    warnings = [_diag(source, p.path, p.message, "warning") for p in problems if p.severity == "warning"]
+    if errors:
+        raise InvalidTopology(errors, warnings)
+    return ValidatedTopology(topology=topology, warnings=warnings, file=doc.file)
+
+
+def load_topology(path: Path | str, display: str | None = None) -> ValidatedTopology:
+    """Load and validate a topology file; raise InvalidTopology listing every problem."""
+    p = Path(path)
+    return validate_document(load_yaml_file(p, display or str(path)))
+
+
+__all__ = ["Position", "ValidatedTopology", "load_topology", "validate_document", "deep_merge"]

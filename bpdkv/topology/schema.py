@@ -1,0 +1,131 @@
+"""JSON Schema validation with errors turned into located, one-line diagnostics."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import cache
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+
+from bpdkv.errors import Diagnostic
+from bpdkv.resources import schemas_dir
+from bpdkv.topology.load import PathKey, SourceMap, format_path
+
+
+@cache
+def load_schema(name: str) -> dict[str, Any]:
+    with open(schemas_dir() / name, encoding="utf-8") as fh:
+        return json.load(fh)  # type: ignore[no-any-return]
+
+
+def _validator(definition: str | None) -> Draft202012Validator:
+    schema = load_schema("topology.schema.json")
+    if definition:
+        schema = {"$ref": f"#/$defs/{definition}", "$defs": schema["$defs"]}
+    return Draft202012Validator(schema)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if value is None:
+        return "null"
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+_TYPE_WORDS = {
+    "integer": "an integer",
+    "string": "a string",
+    "object": "a mapping",
+    "array": "a list",
+    "boolean": "true or false",
+    "number": "a number",
+    "null": "null",
+}
+
+
+def _message(error: ValidationError) -> tuple[PathKey, str]:
+    path: PathKey = tuple(error.absolute_path)
+    v = error.validator
+    if v == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = [k for k in error.instance if k not in allowed] if isinstance(error.instance, dict) else []
+        key = str(extra[0]) if extra else "?"
+        close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}'?" if close else "allowed: " + ", ".join(allowed)
+        return path + (key,), f"unknown key '{key}'; {hint}"
+    if v == "required":
+        missing = str(error.message).split("'")[1] if "'" in error.message else str(error.validator_value)
+        return path, f"missing required key '{missing}'"
+    if v == "type":
+        expected = error.validator_value
+        words = " or ".join(_TYPE_WORDS.get(t, t) for t in ([expected] if isinstance(expected, str) else expected))
+        return path, f"expected {words}, got {_describe(error.instance)}"
+    if v == "enum":
+        choices = [str(c) for c in error.validator_value]
+        close = difflib.get_close_matches(str(error.instance), choices, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return path, f"{_describe(error.instance)} is not allowed; use one of: {', '.join(choices)}{hint}"
+    if v == "const":
+        return path, f"must be '{error.validator_value}', got {_describe(error.instance)}"
+    if v == "minimum":
+        return path, f"must be >= {error.validator_value}, got {error.instance}"
+    if v == "maximum":
+        return path, f"must be <= {error.validator_value}, got {error.instance}"
+    if v == "exclusiveMinimum":
+        return path, f"must be > {error.validator_value}, got {error.instance}"
+    if v == "minItems":
+        return path, f"needs at least {error.validator_value} item(s)"
+    if v == "minLength":
+        return path, "must not be empty"
+    if v == "pattern":
+        what = {
+            "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$": "lowercase letters, digits and '-' (a DNS label, used in unit names)",
+            "^/": "an absolute path",
+            "^(memory|rediss?://.+)$": "'memory' or a redis:// URL",
+            "^[A-Za-z_][A-Za-z0-9_]*$": "a shell variable name",
+        }.get(str(error.validator_value), f"matching {error.validator_value}")
+        return path, f"{_describe(error.instance)} is not valid; expected {what}"
+    if v == "propertyNames":
+        return path, f"{error.message}"
+    return path, error.message
+
+
+def _leaves(error: ValidationError) -> list[ValidationError]:
+    # For oneOf/anyOf the useful errors are the nested ones.
+    if error.context:
+        return [leaf for sub in error.context for leaf in _leaves(sub)]
+    return [error]
+
+
+def validate(data: Any, source: SourceMap, definition: str | None = None) -> list[Diagnostic]:
+    """All schema problems of ``data``, each located through ``source``."""
+    out: list[Diagnostic] = []
+    seen: set[tuple[PathKey, str]] = set()
+    errors = sorted(_validator(definition).iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
+    for top in errors:
+        for error in _leaves(top):
+            path, message = _message(error)
+            if (path, message) in seen:
+                continue
+            seen.add((path, message))
+            pos = source.locate(path)
+            out.append(
+                Diagnostic(
+                    message=message,
+                    path=format_path(path),
+                    file=pos.file if pos else None,
+                    line=pos.line if pos else None,
+                    column=pos.column if pos else None,
+                )
+            )
+    out.sort(key=lambda d: (d.file or "", d.line or 0, d.column or 0))
+    return out
