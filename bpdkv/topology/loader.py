@@ -122,6 +122,7 @@ def validate_document(doc: LoadedDocument) -> ValidatedTopology:
     problems = checks.run_checks(topology)
     errors = [_diag(source, p.path, p.message) for p in problems if p.severity == "error"]
     warnings = [_diag(source, p.path, p.message, "warning") for p in problems if p.severity == "warning"]
+    errors.sort(key=lambda d: (d.line or 0, d.column or 0))
     if errors:
         raise InvalidTopology(errors, warnings)
     return ValidatedTopology(topology=topology, warnings=warnings, file=doc.file)

@@ -1,0 +1,138 @@
+"""Every bad fixture fails with its expected one-line errors; arbitrary input never gives a traceback."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bpdkv.cli import main
+from bpdkv.errors import InvalidTopology
+from bpdkv.topology.load import parse_yaml
+from bpdkv.topology.loader import load_topology, validate_document
+from tests.conftest import DATA, ROOT
+
+BAD = DATA / "bad"
+EXPECTED = BAD / "expected.json"
+FIXTURES = sorted(p.name for p in BAD.glob("*.yaml"))
+
+
+def _errors(name: str) -> list[str]:
+    rel = f"tests/data/bad/{name}"
+    try:
+        load_topology(ROOT / rel, rel)
+    except InvalidTopology as exc:
+        return exc.lines()
+    return []
+
+
+def test_enough_fixtures() -> None:
+    assert len(FIXTURES) >= 40
+
+
+def test_expected_file_matches_fixtures(regen: bool) -> None:
+    if regen:
+        EXPECTED.write_text(json.dumps({n: _errors(n) for n in FIXTURES}, indent=2, ensure_ascii=False) + "\n")
+    expected = json.loads(EXPECTED.read_text())
+    assert sorted(expected) == FIXTURES, "run pytest --regen and review tests/data/bad/expected.json"
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_bad_fixture(name: str) -> None:
+    expected = json.loads(EXPECTED.read_text())[name]
+    assert expected, f"{name} has no expected errors; every bad fixture must fail"
+    assert _errors(name) == expected
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_cli_reports_bad_fixture_in_one_line_each(name: str) -> None:
+    rel = f"tests/data/bad/{name}"
+    result = CliRunner().invoke(main, ["validate", str(ROOT / rel)])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if ": warning: " not in line and not line.endswith("error(s)")]
+    assert len(errors) == len(json.loads(EXPECTED.read_text())[name])
+
+
+def test_json_output_lists_all_errors() -> None:
+    result = CliRunner().invoke(main, ["validate", str(BAD / "loopback-side-channel.yaml"), "--output", "json"])
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["valid"] is False
+    assert [e["line"] for e in report["errors"]] == [7, 13]
+    assert all(e["severity"] == "error" for e in report["errors"])
+
+
+def test_all_problems_reported_at_once() -> None:
+    lines = _errors("many-errors.yaml")
+    assert [line.split(": ")[0].rsplit(":", 2)[1] for line in lines] == ["5", "12", "12", "13"]  # sorted by line
+    joined = "\n".join(lines)
+    for part in ("session_ttl 60", "decode tp 1 < prefill tp 2", "GPU 9 does not exist", "HTTP port 8000 collides"):
+        assert part in joined
+
+
+def test_huge_file_refused(tmp_path: Path) -> None:
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (10 * 1024 * 1024) + "\n")
+    with pytest.raises(InvalidTopology, match="a topology must be under"):
+        load_topology(big)
+
+
+def test_directory_and_missing_path(tmp_path: Path) -> None:
+    for path, message in ((tmp_path, "is a directory"), (tmp_path / "nope.yaml", "no such file")):
+        result = CliRunner().invoke(main, ["validate", str(path)])
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_yaml_bomb_refused_quickly() -> None:
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        levels.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    start = time.perf_counter()
+    with pytest.raises(InvalidTopology, match="alias bomb"):
+        parse_yaml("\n".join(levels) + "\n", "bomb.yaml")
+    # 10^9 values if expanded; refusing must not depend on expanding them.
+    assert time.perf_counter() - start < 5
+
+
+def test_deep_nesting_refused() -> None:
+    with pytest.raises(InvalidTopology, match="nesting deeper"):
+        parse_yaml("a: " + "[" * 200 + "]" * 200 + "\n", "deep.yaml")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),
+    max_leaves=30,
+)
+plausible_keys = st.sampled_from(["apiVersion", "name", "model", "nodes", "profile", "kv_transfer", "router", "instances", "role", "gpus", "host"])
+plausible = st.recursive(
+    st.none() | st.integers(-5, 70000) | st.sampled_from(["bpdkv/v1", "prefill", "decode", "router", "qwen3-8b", "cpu", "a"]),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(plausible_keys, children, max_size=6),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(json_values, plausible))
+def test_arbitrary_documents_only_produce_errors(doc: object) -> None:
+    text = yaml.safe_dump(doc)
+    try:
+        validate_document(parse_yaml(text, "fuzz.yaml"))
+    except InvalidTopology as exc:
+        assert exc.lines() and all("\n" not in line for line in exc.lines())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_arbitrary_text_only_produces_errors(text: str) -> None:
+    try:
+        validate_document(parse_yaml(text, "fuzz.yaml"))
+    except InvalidTopology as exc:
+        assert exc.lines()
