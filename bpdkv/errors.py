@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def one_line(text: str) -> str:
+    """User values may hold newlines or control characters; a diagnostic must stay one line."""
+    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
+
+
 @dataclass(frozen=True)
 class Diagnostic:
     """One problem found in user input, located as precisely as we can."""
@@ -27,7 +32,7 @@ class Diagnostic:
             where += ": "
         path = f"{self.path}: " if self.path else ""
         prefix = "warning: " if self.severity == "warning" else ""
-        return f"{where}{prefix}{path}{self.message}"
+        return one_line(f"{where}{prefix}{path}{self.message}")
 
     def to_json(self) -> dict[str, object]:
         return {

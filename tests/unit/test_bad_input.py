@@ -111,7 +111,9 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),
     max_leaves=30,
 )
-plausible_keys = st.sampled_from(["apiVersion", "name", "model", "nodes", "profile", "kv_transfer", "router", "instances", "role", "gpus", "host"])
+plausible_keys = st.sampled_from(
+    ["apiVersion", "name", "model", "nodes", "profile", "kv_transfer", "router", "instances", "role", "gpus", "host"]
+)
 plausible = st.recursive(
     st.none() | st.integers(-5, 70000) | st.sampled_from(["bpdkv/v1", "prefill", "decode", "router", "qwen3-8b", "cpu", "a"]),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(plausible_keys, children, max_size=6),

@@ -1,0 +1,9 @@
+#!/bin/sh
+# Managed by bpdkv (topology init-tiny-cpu): router instance router-0 on node decode-node-0.
+set -eu
+set -a
+. /etc/bpdkv/router-0.env
+set +a
+exec /opt/bpdkv/venv/bin/bpdkv \
+  router \
+  --config /etc/bpdkv/router-0.router.yaml

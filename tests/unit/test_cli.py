@@ -1,0 +1,108 @@
+"""CLI behaviour: validate/render/init/profiles, exit codes, nothing written on failure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from bpdkv.cli import main
+from bpdkv.topology.loader import load_topology
+from bpdkv.topology.profiles import list_profiles
+from tests.conftest import DATA, ROOT
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate(example: Path) -> None:
+    result = CliRunner().invoke(main, ["validate", str(example)])
+    assert result.exit_code == 0, result.output
+    assert "valid" in result.output
+
+
+def test_validate_json_ok() -> None:
+    result = CliRunner().invoke(main, ["validate", str(ROOT / "examples" / "p5en-qwen3-32b.yaml"), "--output", "json"])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0 and report["valid"] is True and report["errors"] == []
+    assert report["summary"] == {"name": "qwen3-32b-p5en", "nodes": 2, "prefill": 4, "decode": 2, "router": 1}
+
+
+def test_warnings_are_separate_from_errors(tmp_path: Path) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "h200x2-qwen3-8b.yaml").read_text())
+    doc["model"]["block_size"] = 16
+    doc["nodes"][0]["instances"][0]["extra_args"] = ["--no-enable-prefix-caching"]
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(main, ["validate", str(path), "--output", "json"])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0 and report["valid"]
+    messages = [w["message"] for w in report["warnings"]]
+    assert any("descriptor-bound" in m for m in messages)
+    assert any("prefix caching is off" in m for m in messages)
+
+
+def test_render_writes_per_host_folders(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["render", str(ROOT / "examples" / "local-cpu.yaml"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["host1", "host2", "host3"]
+    unit = out / "host2" / "etc/systemd/system/bpdkv-decode-0.service"
+    assert unit.is_file()
+    assert (out / "host2" / "opt/bpdkv/bin/decode-0.sh").stat().st_mode & 0o777 == 0o755
+    assert (out / "host2" / "etc/bpdkv/decode-0.env").stat().st_mode & 0o777 == 0o600
+    assert (out / "host3" / "etc/bpdkv/router-0.router.yaml").is_file()
+
+
+def test_render_writes_nothing_when_invalid(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["render", str(DATA / "bad" / "gpu-shared.yaml"), "--out", str(out)])
+    assert result.exit_code == 1
+    assert "GPU 0 is also used" in result.output
+    assert not out.exists()
+
+
+def test_render_refuses_file_as_out(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    result = CliRunner().invoke(main, ["render", str(ROOT / "examples" / "local-cpu.yaml"), "--out", str(f)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("model", [p.name for p in list_profiles("models")])
+@pytest.mark.parametrize("hardware", [p.name for p in list_profiles("hardware")])
+def test_init_scaffolds_validate_for_every_profile_pair(model: str, hardware: str, tmp_path: Path) -> None:
+    cpu = hardware == "cpu"
+    args = ["init", "--name", "scaffold", "--model", model, "--hardware", hardware, "--prefill", "3", "--decode", "2"]
+    if not cpu:
+        args += ["--prefill-tp", "2", "--decode-tp", "4"]
+    out = tmp_path / "t.yaml"
+    result = CliRunner().invoke(main, args + ["-o", str(out)])
+    if cpu != (model == "tiny-cpu") and hardware != "cpu":
+        pass
+    assert result.exit_code == 0, result.output
+    validated = load_topology(out)
+    assert len(validated.topology.instances("prefill")) == 3
+    assert len(validated.topology.instances("decode")) == 2
+    # refuses to overwrite without --force
+    again = CliRunner().invoke(main, args + ["-o", str(out)])
+    assert again.exit_code == 1 and "--force" in again.output
+
+
+def test_init_unknown_profile_suggests() -> None:
+    result = CliRunner().invoke(main, ["init", "--name", "x", "--model", "qwen3-32", "--hardware", "cpu"])
+    assert result.exit_code == 1 and "did you mean 'qwen3-32b'" in result.output
+
+
+def test_profiles_list_and_show() -> None:
+    listed = CliRunner().invoke(main, ["profiles", "list"])
+    assert listed.exit_code == 0
+    for ref in list_profiles("models") + list_profiles("hardware"):
+        assert ref.name in listed.output
+    shown = CliRunner().invoke(main, ["profiles", "show", "p5en.48xlarge"])
+    assert shown.exit_code == 0 and "efa_devices: 16" in shown.output and "#" in shown.output
+    missing = CliRunner().invoke(main, ["profiles", "show", "p5en"])
+    assert missing.exit_code == 1 and "unknown profile" in missing.output

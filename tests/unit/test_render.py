@@ -1,0 +1,202 @@
+"""Rendered files: golden per example × profile, systemd-analyze clean, quoting survives any value."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+
+from bpdkv.init import InitRequest, scaffold_topology
+from bpdkv.render import Artifact, render_topology
+from bpdkv.topology.load import parse_yaml
+from bpdkv.topology.loader import load_topology, validate_document
+from bpdkv.topology.profiles import list_profiles
+from tests.conftest import DATA, ROOT
+
+GOLDEN = DATA / "golden"
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
+MODEL_PROFILES = [p.name for p in list_profiles("models")]
+
+
+def _hardware_for(model: str) -> str:
+    return "cpu" if model == "tiny-cpu" else "p5en.48xlarge"
+
+
+def _case_artifacts(case: str) -> tuple[str, list[Artifact]]:
+    kind, name = case.split(":", 1)
+    if kind == "example":
+        return name.removesuffix(".yaml"), render_topology(load_topology(ROOT / "examples" / name).topology)
+    text = scaffold_topology(InitRequest(f"init-{name}".replace(".", "-"), name, _hardware_for(name), 2, 1, 2, 4))
+    return f"profile-{name}", render_topology(validate_document(parse_yaml(text, name)).topology)
+
+
+CASES = [f"example:{e}" for e in EXAMPLES] + [f"profile:{m}" for m in MODEL_PROFILES]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden(case: str, regen: bool) -> None:
+    folder, artifacts = _case_artifacts(case)
+    expected_dir = GOLDEN / folder
+    rendered = {f"{a.host}{a.path}": a for a in artifacts}
+    if regen:
+        shutil.rmtree(expected_dir, ignore_errors=True)
+        for key, art in rendered.items():
+            target = expected_dir / key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(art.content)
+    on_disk = {str(p.relative_to(expected_dir)).replace(os.sep, "/"): p for p in expected_dir.rglob("*") if p.is_file()}
+    assert sorted(on_disk) == sorted(rendered), "run pytest --regen and review the diff"
+    for key, path in on_disk.items():
+        assert rendered[key].content == path.read_text(), f"{key} differs from golden; run pytest --regen and review"
+
+
+def _verify_host(tmp_path: Path, artifacts: list[Artifact]) -> None:
+    """systemd-analyze verify each unit inside a root holding the host's files and the system's own units."""
+    if not shutil.which("systemd-analyze"):
+        pytest.fail("systemd-analyze missing: apt-get install -y systemd")
+    by_host: dict[str, list[Artifact]] = {}
+    for art in artifacts:
+        by_host.setdefault(art.host, []).append(art)
+    for host, arts in by_host.items():
+        root = tmp_path / host
+        shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True, dirs_exist_ok=True)
+        for art in arts:
+            target = root / art.path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(art.content)
+            target.chmod(art.mode)
+        for art in arts:
+            if art.unit:
+                proc = subprocess.run(
+                    ["systemd-analyze", "verify", f"--root={root}", art.path.lstrip("/")],
+                    cwd=root,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                assert proc.returncode == 0, proc.stderr
+                assert proc.stderr == "", f"{host}:{art.path}: {proc.stderr}"
+            if art.path.endswith(".sh") or art.path.endswith(".env"):
+                proc = subprocess.run(["sh", "-n", str(root / art.path.lstrip("/"))], capture_output=True, text=True)
+                assert proc.returncode == 0, f"{art.path}: {proc.stderr}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_units_pass_systemd_analyze_verify(case: str, tmp_path: Path) -> None:
+    _, artifacts = _case_artifacts(case)
+    assert any(a.unit for a in artifacts)
+    _verify_host(tmp_path, artifacts)
+
+
+def test_verify_catches_a_bad_directive(tmp_path: Path) -> None:
+    # Guards the guard: misspelled keys only show on stderr with rc 0.
+    _, artifacts = _case_artifacts("example:local-cpu.yaml")
+    broken = [
+        Artifact(a.host, a.path, a.mode, a.content.replace("Restart=on-failure", "Restrat=on-failure"), a.instance, a.unit)
+        for a in artifacts
+    ]
+    with pytest.raises(AssertionError, match="Unknown key"):
+        _verify_host(tmp_path, broken)
+
+
+def test_router_config_matches_schema() -> None:
+    schema = json.loads((ROOT / "schemas" / "router.schema.json").read_text())
+    for example in EXAMPLES:
+        for art in render_topology(load_topology(ROOT / "examples" / example).topology):
+            if art.path.endswith(".router.yaml"):
+                config = yaml.safe_load(art.content)
+                errors = list(Draft202012Validator(schema).iter_errors(config))
+                assert not errors, (example, [e.message for e in errors])
+
+
+def test_router_ttl_derived_from_decoder_ttl() -> None:
+    t = load_topology(ROOT / "examples" / "local-cpu.yaml").topology
+    config = yaml.safe_load(next(a for a in render_topology(t) if a.path.endswith(".router.yaml")).content)
+    assert config["session_ttl"] == t.kv_transfer.decoder_kv_blocks_ttl - t.router.ttl_margin == 110
+    assert config["prefill"] == [{"name": "prefill-0", "url": "http://10.213.0.11:8100"}]
+    assert config["decode"] == [{"name": "decode-0", "url": "http://10.213.0.12:8200"}]
+
+
+NASTY = [
+    "two words",
+    'a "quoted" value',
+    "it's",
+    "$HOME and ${PATH}",
+    "back\\slash",
+    "ünïcødé ✓",
+    "semi;colon && rm -rf /",
+    "`uname`",
+    "new\nline",
+]
+
+
+def test_quoting_survives_any_value(tmp_path: Path) -> None:
+    """Run the rendered launch script for real with a fake python that dumps argv and env."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    dump = tmp_path / "dump.json"
+    fake = venv / "bin" / "python"
+    fake.write_text(
+        f"#!/usr/bin/python3\nimport json, os, sys\njson.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(dump)!r}, 'w'))\n"
+    )
+    fake.chmod(0o755)
+    env = {f"NASTY_{i}": v for i, v in enumerate(NASTY)}
+    doc = {
+        "apiVersion": "bpdkv/v1",
+        "name": "quoting",
+        "model": {"id": "m/x", "path": "/models/with space/ünï"},
+        "vllm": {"venv": str(venv), "extra_args": NASTY, "env": env},
+        "nodes": [
+            {
+                "name": "a",
+                "host": "10.0.0.1",
+                "hardware": "generic-gpu",
+                "instances": [
+                    {"role": "prefill", "gpus": [0]},
+                    {"role": "decode", "gpus": [1], "env": {"LAST": "$(echo pwned)"}},
+                    {"role": "router"},
+                ],
+            }
+        ],
+    }
+    artifacts = render_topology(validate_document(parse_yaml(yaml.safe_dump(doc, allow_unicode=True), "q.yaml")).topology)
+    files = {a.path: a for a in artifacts if a.instance == "decode-0"}
+    env_file = tmp_path / "decode-0.env"
+    env_file.write_text(files["/etc/bpdkv/decode-0.env"].content)
+    script = tmp_path / "decode-0.sh"
+    script.write_text(files["/opt/bpdkv/bin/decode-0.sh"].content.replace(". /etc/bpdkv/decode-0.env", f". {env_file}"))
+    script.chmod(0o755)
+    subprocess.run([str(script)], check=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    seen = json.loads(dump.read_text())
+    assert seen["argv"][-len(NASTY) :] == NASTY
+    assert seen["argv"][seen["argv"].index("--model") + 1] == "/models/with space/ünï"
+    for key, value in env.items():
+        assert seen["env"][key] == value
+    assert seen["env"]["LAST"] == "$(echo pwned)"
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert seen["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.1"
+    kv = json.loads(seen["argv"][seen["argv"].index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == "kv_consumer" and kv["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+
+
+def test_cpu_nodes_get_cpu_buffers_and_no_cuda() -> None:
+    t = load_topology(ROOT / "examples" / "local-cpu.yaml").topology
+    arts = {a.path: a.content for a in render_topology(t) if a.instance == "prefill-0"}
+    assert "CUDA_VISIBLE_DEVICES" not in arts["/etc/bpdkv/prefill-0.env"]
+    assert "UCX_NET_DEVICES=eth0" in arts["/etc/bpdkv/prefill-0.env"]
+    assert '"kv_buffer_device":"cpu"' in arts["/opt/bpdkv/bin/prefill-0.sh"]
+
+
+def test_efa_hardware_renders_libfabric_and_fi_env() -> None:
+    t = load_topology(ROOT / "examples" / "p5en-qwen3-32b.yaml").topology
+    arts = {a.path: a.content for a in render_topology(t) if a.instance == "decode-1"}
+    assert '"backends":["LIBFABRIC"]' in arts["/opt/bpdkv/bin/decode-1.sh"]
+    assert "FI_PROVIDER=efa" in arts["/etc/bpdkv/decode-1.env"]
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in arts["/etc/bpdkv/decode-1.env"]
+    assert "LimitMEMLOCK=infinity" in arts["/etc/systemd/system/bpdkv-decode-1.service"]
