@@ -17,7 +17,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (built,) = out.glob("bpdkv-*.whl")
     return built
 
@@ -42,15 +47,22 @@ def test_installed_wheel_runs_outside_checkout(wheel: Path, tmp_path: Path) -> N
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True, timeout=300)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = subprocess.run([str(py), "-c", "import bpdkv, bpdkv.resources as r; print(bpdkv.__file__); print(r.templates_dir())"],
-                           cwd=elsewhere, capture_output=True, text=True, check=True)
+    where = subprocess.run(
+        [str(py), "-c", "import bpdkv, bpdkv.resources as r; print(bpdkv.__file__); print(r.templates_dir())"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert str(venv) in where.stdout.splitlines()[0]
     assert "_data" in where.stdout.splitlines()[1]
     example = ROOT / "examples" / "p5en-qwen3-32b.yaml"
     bpdkv = venv / "bin" / "bpdkv"
     ok = subprocess.run([str(bpdkv), "validate", str(example)], cwd=elsewhere, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
-    rendered = subprocess.run([str(bpdkv), "render", str(example), "--out", "out"], cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    rendered = subprocess.run(
+        [str(bpdkv), "render", str(example), "--out", "out"], cwd=elsewhere, capture_output=True, text=True, timeout=60
+    )
     assert rendered.returncode == 0, rendered.stderr
     assert (elsewhere / "out" / "p5en-b" / "etc/systemd/system/bpdkv-decode-0.service").is_file()
     listed = subprocess.run([str(bpdkv), "profiles", "list"], cwd=elsewhere, capture_output=True, text=True, timeout=60)
