@@ -1,0 +1,614 @@
+"""The router's ASGI app: P (one token, no stream) then D (streaming as the client asked), reuse via stored D params."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import httpx
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from bpdkv.router import protocol, sessions
+from bpdkv.router.config import RouterConfig, load_api_keys
+from bpdkv.router.metrics import RouterMetrics
+from bpdkv.router.upstreams import Pool, Upstream, check_all, health_loop
+
+log = logging.getLogger("bpdkv.router")
+T = TypeVar("T")
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+REUSABLE_FINISH = ("stop", "length")
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+class ClientGone(Exception):
+    pass
+
+
+class UpstreamFailed(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error(status: int, message: str, kind: str = "router_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        store: sessions.SessionStore | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.store = store or sessions.make_store(config.state)
+        self.clock = clock
+        self.metrics = RouterMetrics()
+        self.api_keys = {hashlib.sha256(k.encode()).hexdigest(): k for k in load_api_keys(config.api_keys_file)}
+        h = config.health
+        self.prefill = Pool("prefill", [Upstream(u.name, u.url, "prefill") for u in config.prefill], h.failures_to_eject, h.backoff_max)
+        self.decode = Pool("decode", [Upstream(u.name, u.url, "decode") for u in config.decode], h.failures_to_eject, h.backoff_max)
+        self._transport = transport
+        self.client: httpx.AsyncClient | None = None
+        self._stop = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
+        self._warned_missing = False
+        key_env = config.backend_api_key_env
+        self._backend_key = os.environ.get(key_env) if key_env else None
+        self.app = Starlette(
+            routes=[
+                Route(CHAT, self.chat, methods=["POST"]),
+                Route(COMPLETIONS, self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/ready", self.ready, methods=["GET"]),
+                Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
+        )
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        t = self.config.timeouts
+        self.client = httpx.AsyncClient(
+            transport=self._transport,
+            timeout=httpx.Timeout(connect=t.connect, read=t.decode_idle, write=t.connect, pool=t.connect),
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=30),
+        )
+        self._stop.clear()
+        if self.config.health.interval > 0:
+            self._health_task = asyncio.create_task(
+                health_loop([self.prefill, self.decode], self.client, self.config.health.interval, self._stop)
+            )
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._health_task:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        if self.client:
+            await self.client.aclose()
+        await self.store.close()
+
+    # ---- small endpoints -------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        now = time.monotonic()
+        p = [m.name for m in self.prefill.members if m.available(now)]
+        d = [m.name for m in self.decode.members if m.available(now)]
+        body = {"ready": bool(p and d), "prefill": p, "decode": d}
+        return JSONResponse(body, status_code=200 if p and d else 503)
+
+    async def models(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        if tenant is None:
+            return _error(401, "invalid or missing API key", "authentication_error")
+        assert self.client is not None
+        for member in self.decode.candidates(set()) + self.prefill.candidates(set()):
+            try:
+                resp = await self.client.get(
+                    member.url + "/v1/models", headers=self._upstream_headers(request), timeout=self.config.timeouts.connect
+                )
+                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+            except httpx.HTTPError:
+                continue
+        if self.config.model:
+            return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model", "owned_by": "bpdkv"}]})
+        return _error(503, "no upstream answered /v1/models")
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        now = time.monotonic()
+        for pool in (self.prefill, self.decode):
+            for m in pool.members:
+                self.metrics.backend_healthy.labels(pool.role, m.name).set(1 if m.available(now) else 0)
+                self.metrics.outstanding.labels(pool.role, m.name).set(m.outstanding)
+        try:
+            self.metrics.active_sessions.set(await self.store.count())
+        except sessions.StoreUnavailable:
+            self.metrics.store_errors.inc()
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def check_health_now(self) -> None:
+        assert self.client is not None
+        await check_all([self.prefill, self.decode], self.client, timeout=2.0)
+
+    # ---- auth ------------------------------------------------------------------------------------------------
+    def _bearer(self, request: Request) -> str | None:
+        auth = request.headers.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            return auth[7:].strip()
+        return None
+
+    def _tenant(self, request: Request) -> str | None:
+        """None = rejected. Tenant is a hash of the API key: sessions never cross keys, keys never reach logs."""
+        key = self._bearer(request)
+        if self.api_keys:
+            if key is None:
+                return None
+            digest = hashlib.sha256(key.encode()).hexdigest()
+            return digest if digest in self.api_keys else None
+        return hashlib.sha256(key.encode()).hexdigest() if key else "anonymous"
+
+    def _upstream_headers(self, request: Request) -> dict[str, str]:
+        headers = {}
+        if self._backend_key:
+            headers["authorization"] = f"Bearer {self._backend_key}"
+        elif not self.api_keys and request.headers.get("authorization"):
+            headers["authorization"] = request.headers["authorization"]  # pass-through fleets (vLLM --api-key)
+        rid = request.headers.get("x-request-id")
+        if rid:
+            headers["x-request-id"] = rid
+        return headers
+
+    # ---- identity --------------------------------------------------------------------------------------------
+    def identity(
+        self, route: str, tenant: str, body: dict[str, Any], session_id: str | None
+    ) -> tuple[sessions.Identity | None, bytes | None, bytes]:
+        """(identity for lookup, affinity key for P selection, scope). Identity None = not eligible for reuse."""
+        scope = sessions.scope_digest(tenant, route, body)
+        mode = self.config.session_identity
+        explicit = session_id if mode != "auto" or session_id else None
+        if (body.get("n") or 1) != 1:
+            return None, None, scope
+        if route == CHAT:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return None, None, scope
+            chain = sessions.chat_chain(scope, messages)
+            affinity = chain[min(1, len(chain) - 1)]
+            if explicit:
+                key = "x:" + sessions._h(scope, explicit.encode()).hex()
+                return sessions.Identity([key], {h.hex() for h in chain[:-1]}, True), sessions._h(scope, explicit.encode()), scope
+            if mode != "auto":
+                return None, affinity, scope
+            keys = []
+            for i in range(len(messages) - 2, -1, -1):
+                if isinstance(messages[i], dict) and messages[i].get("role") == "assistant":
+                    keys.append("c:" + chain[i].hex())
+                    if len(keys) >= 8:
+                        break
+            return sessions.Identity(keys, set(), False), affinity, scope
+        prompt = body.get("prompt")
+        tokens = prompt if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) else None
+        if explicit:
+            key = "x:" + sessions._h(scope, explicit.encode()).hex()
+            return sessions.Identity([key], set(), True), sessions._h(scope, explicit.encode()), scope
+        if tokens is None or mode != "auto":
+            return None, None, scope
+        chain_t = sessions.token_chain(scope, tokens)
+        affinity_t = chain_t[0][1] if chain_t else None
+        keys = ["t:" + h.hex() for _, h in reversed(chain_t)][: sessions.MAX_CANDIDATES]
+        return sessions.Identity(keys, set(), False), affinity_t, scope
+
+    def _history_ok(self, route: str, ident: sessions.Identity, entry: sessions.SessionEntry, body: dict[str, Any], scope: bytes) -> bool:
+        if route == CHAT:
+            return not ident.explicit or entry.history in ident.history
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            return not ident.explicit  # explicit ids with text prompts: trust the id
+        return 0 < entry.length <= len(prompt) and sessions.token_digest(scope, prompt[: entry.length]) == entry.history
+
+    async def lookup(
+        self, route: str, ident: sessions.Identity | None, body: dict[str, Any], scope: bytes
+    ) -> tuple[dict[str, Any] | None, str]:
+        if not self.config.reuse or ident is None or not ident.lookup_keys:
+            return None, "skipped"
+        try:
+            found = await self.store.take(ident.lookup_keys)
+        except sessions.StoreUnavailable:
+            self.metrics.store_errors.inc()
+            return None, "unavailable"
+        if found is None:
+            return None, "miss"
+        _, entry = found
+        if entry.expires_at <= self.clock():
+            return None, "expired"
+        if not self._history_ok(route, ident, entry, body, scope):
+            return None, "mismatch"
+        return entry.params, "hit"
+
+    async def remember(
+        self,
+        route: str,
+        scope: bytes,
+        body: dict[str, Any],
+        session_id: str | None,
+        reply: dict[str, Any] | None,
+        params: dict[str, Any],
+        decode: str,
+    ) -> None:
+        now = self.clock()
+        ttl = self.config.session_ttl
+        # A patched D (bpdkv node plugin) says how long its blocks live in relative seconds, which needs no clock sync.
+        expires_in = params.get("remote_blocks_expires_in")
+        if isinstance(expires_in, (int, float)):
+            ttl = min(ttl, float(expires_in) - self.config.expiry_margin)
+        if ttl <= 0:
+            return
+        entry = sessions.SessionEntry(params=params, expires_at=now + ttl, history="", decode=decode)
+        keys: list[str] = []
+        explicit = session_id if self.config.session_identity != "auto" or session_id else None
+        if route == CHAT:
+            messages = list(body.get("messages") or []) + ([reply] if reply else [])
+            digest = sessions.chat_chain(scope, messages)[-1].hex()
+            entry.history = digest
+            keys.append("x:" + sessions._h(scope, explicit.encode()).hex() if explicit else "c:" + digest)
+        else:
+            prompt = body.get("prompt")
+            tokens = prompt if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) else None
+            if tokens is not None:
+                entry.history = sessions.token_digest(scope, tokens)
+                entry.length = len(tokens)
+            if explicit:
+                keys.append("x:" + sessions._h(scope, explicit.encode()).hex())
+            elif tokens is not None:
+                chain = sessions.token_chain(scope, tokens)
+                if chain:
+                    keys.append("t:" + chain[-1][1].hex())
+        if not keys:
+            return
+        try:
+            for key in keys:
+                await self.store.put(key, entry, ttl)
+            self.metrics.stored.inc()
+        except sessions.StoreUnavailable:
+            self.metrics.store_errors.inc()
+
+    # ---- the P/D flow ----------------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._handle(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, COMPLETIONS)
+
+    async def _race_disconnect(self, request: Request, work: Awaitable[T]) -> T:
+        """Run work; if the client disconnects first, cancel it (and with it the upstream request)."""
+        task = asyncio.ensure_future(work)
+
+        async def gone() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(gone())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            watcher.cancel()
+            raise
+        if task in done:
+            watcher.cancel()
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            pass
+        raise ClientGone()
+
+    async def _handle(self, request: Request, route: str) -> Response:
+        start = time.perf_counter()
+        self.metrics.in_flight.inc()
+        status = 500
+        streaming = False
+        try:
+            response = await self._flow(request, route, start)
+            status = response.status_code
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        except ClientGone:
+            self.metrics.disconnects.inc()
+            status = 499
+            return Response(status_code=499)
+        finally:
+            if not streaming:  # a stream is counted by _relay when it ends
+                self.metrics.in_flight.dec()
+                self.metrics.requests.labels(route, str(status)).inc()
+
+    async def _flow(self, request: Request, route: str, start: float) -> Response:
+        tenant = self._tenant(request)
+        if tenant is None:
+            return _error(401, "invalid or missing API key", "authentication_error")
+        try:
+            raw = await request.body()
+            body = json.loads(raw)
+        except ValueError:
+            return _error(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        body, field_id = protocol.sanitize(body)
+        header_id = request.headers.get(protocol.SESSION_HEADER) or None
+        mode = self.config.session_identity
+        session_id = header_id if mode == "header" else field_id if mode == "field" else (header_id or field_id)
+        ident, affinity, scope = self.identity(route, tenant, body, session_id)
+        d_params, outcome = await self.lookup(route, ident, body, scope)
+        self.metrics.reuse.labels(outcome).inc()
+        headers = self._upstream_headers(request)
+
+        p_params = await self._race_disconnect(request, self._prefill(route, body, d_params, affinity, headers))
+        if isinstance(p_params, Response):
+            return p_params
+        stream = bool(body.get("stream"))
+        reuse_ctx = (route, scope, body, session_id)
+        if stream:
+            return await self._decode_stream(request, route, body, p_params, headers, start, reuse_ctx)
+        return await self._race_disconnect(request, self._decode_whole(route, body, p_params, headers, start, reuse_ctx))
+
+    async def _prefill(
+        self, route: str, body: dict[str, Any], d_params: dict[str, Any] | None, affinity: bytes | None, headers: dict[str, str]
+    ) -> dict[str, Any] | None | Response:
+        assert self.client is not None
+        tried: set[str] = set()
+        last = "no prefill upstream configured"
+        for attempt in range(len(self.prefill.members)):
+            member = self.prefill.pick(affinity, tried)
+            if member is None:
+                break
+            tried.add(member.name)
+            if attempt:
+                self.metrics.retries.labels("prefill").inc()
+            t0 = time.perf_counter()
+            member.outstanding += 1
+            try:
+                resp = await self.client.post(
+                    member.url + route, json=protocol.p_request(body, d_params), headers=headers, timeout=self._p_timeout()
+                )
+            except httpx.HTTPError as exc:
+                self.prefill.failure(member, type(exc).__name__)
+                self.metrics.upstream_errors.labels("prefill", member.name, type(exc).__name__).inc()
+                last = f"prefill {member.name}: {type(exc).__name__}"
+                d_params = None  # the failed P may have started the pull; never hand D's blocks out twice
+                continue
+            finally:
+                member.outstanding -= 1
+            self.metrics.upstream.labels("prefill").observe(time.perf_counter() - t0)
+            if resp.status_code >= 500:
+                self.prefill.failure(member, f"HTTP {resp.status_code}")
+                self.metrics.upstream_errors.labels("prefill", member.name, f"http_{resp.status_code}").inc()
+                last = f"prefill {member.name}: HTTP {resp.status_code}"
+                d_params = None
+                continue
+            if resp.status_code != 200:
+                return self._passthrough_error(resp)
+            self.prefill.success(member)
+            try:
+                params = resp.json().get("kv_transfer_params")
+            except ValueError:
+                params = None
+            return params if isinstance(params, dict) else None
+        return _error(502 if tried else 503, f"no prefill upstream succeeded ({last})", "upstream_error")
+
+    def _p_timeout(self) -> httpx.Timeout:
+        t = self.config.timeouts
+        return httpx.Timeout(connect=t.connect, read=t.prefill, write=t.connect, pool=t.connect)
+
+    def _passthrough_error(self, resp: httpx.Response) -> Response:
+        content = resp.content
+        try:
+            data = json.loads(content)
+            if isinstance(data, dict) and "kv_transfer_params" in data:
+                data.pop("kv_transfer_params")
+                content = json.dumps(data).encode()
+        except ValueError:
+            pass
+        return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json"))
+
+    def _d_params_missing(self, member: Upstream) -> None:
+        self.metrics.d_params_missing.inc()
+        if not self._warned_missing:
+            self._warned_missing = True
+            log.warning(
+                "decode %s returned no kv_transfer_params; reuse needs the bpdkv node plugin (vLLM streams carry none)", member.name
+            )
+
+    async def _after_decode(
+        self, ctx: tuple[Any, ...], reply: dict[str, Any] | None, finish: str | None, params: Any, member: Upstream
+    ) -> None:
+        route, scope, body, session_id = ctx
+        if not self.config.reuse:
+            return
+        if params is None:
+            if finish in REUSABLE_FINISH:
+                self._d_params_missing(member)
+            return
+        if finish in REUSABLE_FINISH and protocol.usable_d_params(params):
+            await self.remember(route, scope, body, session_id, reply, params, member.name)
+
+    async def _decode_whole(
+        self, route: str, body: dict[str, Any], p_params: dict[str, Any] | None, headers: dict[str, str], start: float, ctx: tuple[Any, ...]
+    ) -> Response:
+        assert self.client is not None
+        tried: set[str] = set()
+        last = "no decode upstream configured"
+        t = self.config.timeouts
+        for attempt in range(len(self.decode.members)):
+            member = self.decode.pick(None, tried)
+            if member is None:
+                break
+            tried.add(member.name)
+            if attempt:
+                self.metrics.retries.labels("decode").inc()
+            member.outstanding += 1
+            t0 = time.perf_counter()
+            try:
+                resp = await self.client.post(
+                    member.url + route,
+                    json=protocol.d_request(body, p_params),
+                    headers=headers,
+                    timeout=httpx.Timeout(connect=t.connect, read=t.decode_first_byte, write=t.connect, pool=t.connect),
+                )
+            except httpx.HTTPError as exc:
+                self.decode.failure(member, type(exc).__name__)
+                self.metrics.upstream_errors.labels("decode", member.name, type(exc).__name__).inc()
+                last = f"decode {member.name}: {type(exc).__name__}"
+                continue
+            finally:
+                member.outstanding -= 1
+            self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
+            if resp.status_code >= 500:
+                self.decode.failure(member, f"HTTP {resp.status_code}")
+                self.metrics.upstream_errors.labels("decode", member.name, f"http_{resp.status_code}").inc()
+                last = f"decode {member.name}: HTTP {resp.status_code}"
+                continue
+            self.decode.success(member)
+            if resp.status_code != 200:
+                return self._passthrough_error(resp)
+            try:
+                data = resp.json()
+            except ValueError:
+                return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            params = data.pop("kv_transfer_params", None) if isinstance(data, dict) else None
+            reply, finish = protocol.assistant_from_body(data, route == CHAT) if isinstance(data, dict) else (None, None)
+            await self._after_decode(ctx, reply, finish, params, member)
+            self.metrics.ttft.observe(time.perf_counter() - start)
+            return Response(json.dumps(data, ensure_ascii=False).encode(), status_code=200, media_type="application/json")
+        return _error(502 if tried else 503, f"no decode upstream succeeded ({last})", "upstream_error")
+
+    async def _decode_stream(
+        self,
+        request: Request,
+        route: str,
+        body: dict[str, Any],
+        p_params: dict[str, Any] | None,
+        headers: dict[str, str],
+        start: float,
+        ctx: tuple[Any, ...],
+    ) -> Response:
+        assert self.client is not None
+        t = self.config.timeouts
+        tried: set[str] = set()
+        last = "no decode upstream configured"
+        for attempt in range(len(self.decode.members)):
+            member = self.decode.pick(None, tried)
+            if member is None:
+                break
+            tried.add(member.name)
+            if attempt:
+                self.metrics.retries.labels("decode").inc()
+            member.outstanding += 1
+            t0 = time.perf_counter()
+            upstream_req = self.client.build_request(
+                "POST",
+                member.url + route,
+                json=protocol.d_request(body, p_params),
+                headers=headers,
+                timeout=httpx.Timeout(connect=t.connect, read=t.decode_idle, write=t.connect, pool=t.connect),
+            )
+            try:
+                resp = await self._race_disconnect(
+                    request, asyncio.wait_for(self.client.send(upstream_req, stream=True), t.decode_first_byte)
+                )
+            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+                member.outstanding -= 1
+                self.decode.failure(member, type(exc).__name__)
+                self.metrics.upstream_errors.labels("decode", member.name, type(exc).__name__).inc()
+                last = f"decode {member.name}: {type(exc).__name__}"
+                continue
+            except ClientGone:
+                member.outstanding -= 1
+                raise
+            if resp.status_code >= 500:
+                await resp.aclose()
+                member.outstanding -= 1
+                self.decode.failure(member, f"HTTP {resp.status_code}")
+                self.metrics.upstream_errors.labels("decode", member.name, f"http_{resp.status_code}").inc()
+                last = f"decode {member.name}: HTTP {resp.status_code}"
+                continue
+            if resp.status_code != 200:
+                await resp.aread()
+                await resp.aclose()
+                member.outstanding -= 1
+                return self._passthrough_error(resp)
+            self.decode.success(member)
+            self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
+            return StreamingResponse(
+                self._relay(resp, member, route, start, ctx),
+                status_code=200,
+                media_type=resp.headers.get("content-type", "text/event-stream"),
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            )
+        return _error(502 if tried else 503, f"no decode upstream succeeded ({last})", "upstream_error")
+
+    async def _relay(self, resp: httpx.Response, member: Upstream, route: str, start: float, ctx: tuple[Any, ...]) -> AsyncIterator[bytes]:
+        capture = protocol.StreamCapture()
+        chat = route == CHAT
+        completed = False
+        first = True
+        try:
+            async for chunk in resp.aiter_raw():
+                out = capture.feed(chunk, chat)
+                if out:
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - start)
+                        first = False
+                    yield out
+            rest = capture.flush()
+            if rest:
+                yield rest
+            completed = True
+        except httpx.HTTPError as exc:
+            # Mid-stream failure: the client already has bytes, so no retry; end the stream with an error event.
+            self.metrics.upstream_errors.labels("decode", member.name, type(exc).__name__).inc()
+            self.decode.failure(member, type(exc).__name__)
+            err = {"error": {"message": f"decode {member.name} failed mid-stream: {type(exc).__name__}", "type": "upstream_error"}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            member.outstanding -= 1
+            await resp.aclose()
+            self.metrics.requests.labels(route, "200" if completed else "499").inc()
+            self.metrics.in_flight.dec()
+        if completed:
+            reply = capture.assistant_message() if chat else {"role": "assistant", "content": "".join(capture.text)}
+            await self._after_decode(ctx, reply, capture.finish_reason, capture.params, member)

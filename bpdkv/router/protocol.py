@@ -1,0 +1,166 @@
+"""kv_transfer_params in and out (vLLM NixlConnector, pull mode, bidirectional), and request sanitising."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# Turn 1 → P: ask P to prefill and keep the blocks for a remote decode.
+P_TEMPLATE: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Client fields that select a session explicitly; never forwarded to vLLM.
+SESSION_FIELDS = ("session_id", "conversation_id")
+SESSION_HEADER = "x-session-id"
+
+
+def p_request(body: dict[str, Any], d_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The prefill request: same prompt, one token, no stream, and where to pull history from (if any)."""
+    req = dict(body)
+    req["max_tokens"] = 1
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    req["stream"] = False
+    req.pop("stream_options", None)
+    req["n"] = 1
+    req["kv_transfer_params"] = copy.deepcopy(d_params) if d_params else dict(P_TEMPLATE)
+    return req
+
+
+def d_request(body: dict[str, Any], p_params: dict[str, Any] | None) -> dict[str, Any]:
+    req = dict(body)
+    if p_params:
+        req["kv_transfer_params"] = p_params
+    return req
+
+
+def sanitize(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """Drop client-supplied kv_transfer_params (a client must never steer NIXL) and explicit session fields."""
+    clean = dict(body)
+    clean.pop("kv_transfer_params", None)
+    session = None
+    for key in SESSION_FIELDS:
+        value = clean.pop(key, None)
+        if session is None and isinstance(value, (str, int)) and str(value):
+            session = str(value)
+    return clean, session
+
+
+def usable_d_params(params: Any) -> bool:
+    """D's returned params are reusable only if they point at blocks P can pull."""
+    return (
+        isinstance(params, dict)
+        and params.get("do_remote_decode") is True
+        and bool(params.get("remote_block_ids"))
+        and params.get("remote_engine_id") is not None
+    )
+
+
+@dataclass
+class StreamCapture:
+    """What the router learns from D's SSE stream while passing it through."""
+
+    params: dict[str, Any] | None = None
+    text: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    first_byte: bool = False
+    buffer: bytes = b""
+
+    def feed(self, chunk: bytes, chat: bool) -> bytes:
+        """Consume raw bytes; return the bytes to send to the client (kv_transfer_params removed)."""
+        self.buffer += chunk
+        out = []
+        while True:
+            cut = self.buffer.find(b"\n\n")
+            if cut < 0:
+                break
+            event, self.buffer = self.buffer[: cut + 2], self.buffer[cut + 2 :]
+            out.append(self._event(event, chat))
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self.buffer = self.buffer, b""
+        return rest
+
+    def _event(self, event: bytes, chat: bool) -> bytes:
+        if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+            return event
+        try:
+            data = json.loads(event[6:])
+        except ValueError:
+            return event
+        if not isinstance(data, dict):
+            return event
+        changed = False
+        if "kv_transfer_params" in data:
+            params = data.pop("kv_transfer_params")
+            if isinstance(params, dict):
+                self.params = params
+            changed = True
+        for choice in data.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            if "kv_transfer_params" in choice:  # tolerate servers that attach it per choice
+                params = choice.pop("kv_transfer_params")
+                if isinstance(params, dict):
+                    self.params = params
+                changed = True
+            if chat:
+                delta = choice.get("delta") or {}
+                if isinstance(delta.get("content"), str):
+                    self.text.append(delta["content"])
+                for call in delta.get("tool_calls") or ():
+                    self._tool_delta(call)
+            elif isinstance(choice.get("text"), str):
+                self.text.append(choice["text"])
+        if not changed:
+            return event
+        if not data.get("choices") and set(data) <= {"id", "object", "created", "model"}:
+            return b""  # a chunk that only carried the params: the client never sees it
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+    def _tool_delta(self, call: dict[str, Any]) -> None:
+        index = int(call.get("index", 0))
+        slot = self.tool_calls.setdefault(index, {"id": None, "name": "", "arguments": ""})
+        if call.get("id"):
+            slot["id"] = call["id"]
+        fn = call.get("function") or {}
+        if fn.get("name"):
+            slot["name"] += fn["name"]
+        if fn.get("arguments"):
+            slot["arguments"] += fn["arguments"]
+
+    def assistant_message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for _, c in sorted(self.tool_calls.items())
+            ]
+        return msg
+
+
+def assistant_from_body(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """The assistant reply and finish reason of a non-stream response (first choice)."""
+    choices = body.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return None, None
+    choice = choices[0]
+    if chat:
+        message = choice.get("message") or {}
+        reply = {"role": "assistant", "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            reply["tool_calls"] = message["tool_calls"]
+        return reply, choice.get("finish_reason")
+    return {"role": "assistant", "content": choice.get("text") or ""}, choice.get("finish_reason")
