@@ -192,5 +192,61 @@ def profiles_show(name: str) -> None:
     raise UsageError(f"unknown profile '{name}'; {suggest(name, names)}")
 
 
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help="Router config written by `bpdkv render`.")
+@click.option("--prefill", "prefill", multiple=True, help="Prefill URL (repeatable); instead of --config.")
+@click.option("--decode", "decode", multiple=True, help="Decode URL (repeatable); instead of --config.")
+@click.option("--listen", default=None, help="Listen address (default from config, else 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Listen port (default from config, else 8000).")
+@click.option("--state", default=None, help="memory or redis://host:port/db.")
+@click.option("--session-ttl", type=float, default=None, help="Seconds a stored D location stays usable.")
+@click.option("--no-reuse", is_flag=True, help="Disable bidirectional reuse (plain P/D routing, for comparisons).")
+@click.option("--health-interval", type=float, default=None, help="Seconds between active health checks (0: off).")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@user_errors
+def router(
+    config_path: Path | None,
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    listen: str | None,
+    port: int | None,
+    state: str | None,
+    session_ttl: float | None,
+    no_reuse: bool,
+    health_interval: float | None,
+    log_level: str,
+) -> None:
+    """Run the KV-cache-aware router (OpenAI-compatible) in front of prefill and decode servers."""
+    import dataclasses
+
+    from bpdkv.errors import UsageError
+    from bpdkv.router.config import HealthSettings, RouterConfig, UpstreamSpec, load_config
+    from bpdkv.router.server import serve
+
+    if config_path is not None:
+        config = load_config(config_path)
+    elif prefill and decode:
+        config = RouterConfig(
+            prefill=tuple(UpstreamSpec(f"prefill-{i}", u.rstrip("/")) for i, u in enumerate(prefill)),
+            decode=tuple(UpstreamSpec(f"decode-{i}", u.rstrip("/")) for i, u in enumerate(decode)),
+        )
+    else:
+        raise UsageError("give --config FILE, or at least one --prefill URL and one --decode URL")
+    changes: dict[str, object] = {}
+    if listen is not None:
+        changes["listen"] = listen
+    if port is not None:
+        changes["port"] = port
+    if state is not None:
+        changes["state"] = state
+    if session_ttl is not None:
+        changes["session_ttl"] = session_ttl
+    if no_reuse:
+        changes["reuse"] = False
+    if health_interval is not None:
+        changes["health"] = dataclasses.replace(config.health or HealthSettings(), interval=health_interval)
+    serve(dataclasses.replace(config, **changes), log_level)  # type: ignore[arg-type]
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -241,8 +241,10 @@ class Router:
     async def lookup(
         self, route: str, ident: sessions.Identity | None, body: dict[str, Any], scope: bytes
     ) -> tuple[dict[str, Any] | None, str]:
-        if not self.config.reuse or ident is None or not ident.lookup_keys:
+        if not self.config.reuse or ident is None:
             return None, "skipped"
+        if not ident.lookup_keys:
+            return None, "miss"  # first turn: nothing could have been stored yet
         try:
             found = await self.store.take(ident.lookup_keys)
         except sessions.StoreUnavailable:
@@ -539,55 +541,74 @@ class Router:
                 self.metrics.retries.labels("decode").inc()
             member.outstanding += 1
             t0 = time.perf_counter()
+            # httpx reads the read timeout once per stream; the first chunk gets its own (usually longer) bound below.
             upstream_req = self.client.build_request(
                 "POST",
                 member.url + route,
                 json=protocol.d_request(body, p_params),
                 headers=headers,
-                timeout=httpx.Timeout(connect=t.connect, read=t.decode_idle, write=t.connect, pool=t.connect),
+                timeout=httpx.Timeout(connect=t.connect, read=max(t.decode_idle, t.decode_first_byte), write=t.connect, pool=t.connect),
             )
+            resp: httpx.Response | None = None
             try:
                 resp = await self._race_disconnect(
                     request, asyncio.wait_for(self.client.send(upstream_req, stream=True), t.decode_first_byte)
                 )
-            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-                member.outstanding -= 1
-                self.decode.failure(member, type(exc).__name__)
-                self.metrics.upstream_errors.labels("decode", member.name, type(exc).__name__).inc()
-                last = f"decode {member.name}: {type(exc).__name__}"
-                continue
+                if resp.status_code != 200:
+                    await resp.aread()
+                    await resp.aclose()
+                    if resp.status_code >= 500:
+                        raise UpstreamFailed(resp.status_code, f"HTTP {resp.status_code}")
+                    member.outstanding -= 1
+                    return self._passthrough_error(resp)
+                # Hold the response until D's first body bytes: until then a failing D can be swapped for another.
+                chunks = resp.aiter_raw()
+                first = await self._race_disconnect(request, asyncio.wait_for(chunks.__anext__(), t.decode_first_byte))
             except ClientGone:
+                if resp is not None:
+                    await resp.aclose()
                 member.outstanding -= 1
                 raise
-            if resp.status_code >= 500:
-                await resp.aclose()
+            except (httpx.HTTPError, asyncio.TimeoutError, StopAsyncIteration, UpstreamFailed) as exc:
+                kind = f"http_{exc.status}" if isinstance(exc, UpstreamFailed) else type(exc).__name__
+                if resp is not None:
+                    await resp.aclose()
                 member.outstanding -= 1
-                self.decode.failure(member, f"HTTP {resp.status_code}")
-                self.metrics.upstream_errors.labels("decode", member.name, f"http_{resp.status_code}").inc()
-                last = f"decode {member.name}: HTTP {resp.status_code}"
+                self.decode.failure(member, kind)
+                self.metrics.upstream_errors.labels("decode", member.name, kind).inc()
+                last = f"decode {member.name}: {kind}"
                 continue
-            if resp.status_code != 200:
-                await resp.aread()
-                await resp.aclose()
-                member.outstanding -= 1
-                return self._passthrough_error(resp)
             self.decode.success(member)
             self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
             return StreamingResponse(
-                self._relay(resp, member, route, start, ctx),
+                self._relay(resp, chunks, first, member, route, start, ctx),
                 status_code=200,
                 media_type=resp.headers.get("content-type", "text/event-stream"),
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
             )
         return _error(502 if tried else 503, f"no decode upstream succeeded ({last})", "upstream_error")
 
-    async def _relay(self, resp: httpx.Response, member: Upstream, route: str, start: float, ctx: tuple[Any, ...]) -> AsyncIterator[bytes]:
+    async def _relay(
+        self,
+        resp: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first_chunk: bytes,
+        member: Upstream,
+        route: str,
+        start: float,
+        ctx: tuple[Any, ...],
+    ) -> AsyncIterator[bytes]:
         capture = protocol.StreamCapture()
         chat = route == CHAT
         completed = False
         first = True
         try:
-            async for chunk in resp.aiter_raw():
+            out = capture.feed(first_chunk, chat)
+            if out:
+                self.metrics.ttft.observe(time.perf_counter() - start)
+                first = False
+                yield out
+            async for chunk in chunks:
                 out = capture.feed(chunk, chat)
                 if out:
                     if first:

@@ -55,6 +55,7 @@ class EmulatorSettings:
     prefill_seconds_per_token: float = 0.0
     pull_seconds_per_token: float = 0.0
     max_hang: float = 600.0  # bound of the "recompute" hang
+    prefix_caching: bool = True  # False emulates a P whose cache was evicted between turns
 
 
 @dataclass
@@ -153,7 +154,7 @@ class VllmEmulator:
         params = body.get("kv_transfer_params")
         salt = str(body.get("cache_salt") or "")
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        cached = self._cached_prefix(tokens, salt)
+        cached = self._cached_prefix(tokens, salt) if self.settings.prefix_caching else 0
         external = 0
         poisoned_by: list[int] | None = None
         out_params: dict[str, Any] | None = None
@@ -283,6 +284,14 @@ class VllmEmulator:
         created = int(time.time())
         model = body.get("model") or self.settings.model
         obj = "chat.completion.chunk" if chat else "text_completion"
+        try:
+            async for piece in self._chunks(rid, created, model, obj, output, finish, chat, params):
+                yield piece
+        except (asyncio.CancelledError, GeneratorExit):
+            self.count("emulator_streams_cancelled")
+            raise
+
+    async def _chunks(self, rid, created, model, obj, output, finish, chat, params):  # type: ignore[no-untyped-def]
         await asyncio.sleep(self.settings.first_token_delay)
         if chat:
             yield _sse(
@@ -323,3 +332,118 @@ def _content(content: Any) -> str:
     if isinstance(content, list):
         return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
+
+
+class ServerGroup:
+    """Several ASGI apps served by uvicorn on loopback from one background thread (bounded lifetime)."""
+
+    def __init__(self, apps: list[Any], host: str = "127.0.0.1") -> None:
+        import threading
+
+        import uvicorn
+
+        self._servers = [
+            uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="error", access_log=False, lifespan="on")) for app in apps
+        ]
+        self._host = host
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._ready = threading.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+
+        async def main() -> None:
+            self._tasks = [asyncio.ensure_future(s.serve()) for s in self._servers]
+            while not all(s.started for s in self._servers):
+                await asyncio.sleep(0.01)
+            self._ready.set()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        self._loop.run_until_complete(main())
+        self._loop.close()
+
+    def start(self, timeout: float = 10.0) -> list[str]:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("servers did not start")
+        return self.urls
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self._host}:{s.servers[0].sockets[0].getsockname()[1]}" for s in self._servers]
+
+    def stop_one(self, index: int, timeout: float = 10.0) -> None:
+        """Stop one server (emulates an upstream dying); the others keep running."""
+        import threading
+
+        server = self._servers[index]
+        server.should_exit = True
+        server.force_exit = True
+        done = threading.Event()
+
+        async def wait() -> None:
+            while not self._tasks[index].done():
+                await asyncio.sleep(0.01)
+            done.set()
+
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(wait(), self._loop)
+        done.wait(timeout)
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the servers' loop (e.g. to inspect a router's store)."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for server in self._servers:
+            server.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            for server in self._servers:
+                server.force_exit = True
+            self._thread.join(timeout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run emulated P and D servers in one process: python -m bpdkv.testing.vllm_emulator --prefill 1 --decode 1."""
+    import argparse
+    import signal
+    import sys
+    import threading
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--prefill", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--first-token-delay", type=float, default=0.0)
+    ap.add_argument("--token-interval", type=float, default=0.0)
+    ap.add_argument("--ttl", type=float, default=480.0)
+    ap.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (bounded lifetime)")
+    args = ap.parse_args(argv)
+    emus = [VllmEmulator(EmulatorSettings(role="prefill", decoder_kv_blocks_ttl=args.ttl)) for _ in range(args.prefill)]
+    emus += [
+        VllmEmulator(
+            EmulatorSettings(
+                role="decode", decoder_kv_blocks_ttl=args.ttl, first_token_delay=args.first_token_delay, token_interval=args.token_interval
+            )
+        )
+        for _ in range(args.decode)
+    ]
+    group = ServerGroup([e.app for e in emus])
+    urls = group.start()
+    print(json.dumps({"prefill": urls[: args.prefill], "decode": urls[args.prefill :]}), flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait(args.max_seconds)
+    except KeyboardInterrupt:
+        pass
+    group.stop()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
