@@ -126,7 +126,7 @@ class StreamCapture:
                 self.text.append(choice["text"])
         if not changed:
             return event
-        if not data.get("choices") and set(data) <= {"id", "object", "created", "model"}:
+        if not data.get("choices") and set(data) - {"choices"} <= {"id", "object", "created", "model"}:
             return b""  # a chunk that only carried the params: the client never sees it
         return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 

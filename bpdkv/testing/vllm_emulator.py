@@ -343,7 +343,10 @@ class ServerGroup:
         import uvicorn
 
         self._servers = [
-            uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="error", access_log=False, lifespan="on")) for app in apps
+            uvicorn.Server(
+                uvicorn.Config(app, host=host, port=0, log_level="error", access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+            )
+            for app in apps
         ]
         self._host = host
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -381,7 +384,6 @@ class ServerGroup:
 
         server = self._servers[index]
         server.should_exit = True
-        server.force_exit = True
         done = threading.Event()
 
         async def wait() -> None:
