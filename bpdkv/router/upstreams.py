@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 log = logging.getLogger("bpdkv.router")
 
@@ -79,7 +79,7 @@ class Pool:
             log.warning("%s %s ejected for %.0fs: %s", self.role, member.name, backoff, error)
 
 
-async def health_loop(pools: list[Pool], client: httpx.AsyncClient, interval: float, stop: asyncio.Event) -> None:
+async def health_loop(pools: list[Pool], client: aiohttp.ClientSession, interval: float, stop: asyncio.Event) -> None:
     """Active checks: GET /health on every member each interval, bounded by the stop event."""
     while not stop.is_set():
         await check_all(pools, client, timeout=min(interval, 5.0))
@@ -89,13 +89,14 @@ async def health_loop(pools: list[Pool], client: httpx.AsyncClient, interval: fl
             pass
 
 
-async def check_all(pools: list[Pool], client: httpx.AsyncClient, timeout: float) -> None:
+async def check_all(pools: list[Pool], client: aiohttp.ClientSession, timeout: float) -> None:
     async def check(pool: Pool, member: Upstream) -> None:
         try:
-            resp = await client.get(member.url + "/health", timeout=timeout)
-            ok = resp.status_code == 200
-            err = f"HTTP {resp.status_code}"
-        except httpx.HTTPError as exc:
+            async with client.get(member.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                err = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             ok, err = False, type(exc).__name__
         if ok and not member.healthy:
             log.info("%s %s healthy again", pool.role, member.name)

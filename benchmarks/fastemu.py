@@ -1,0 +1,163 @@
+"""Benchmark-only emulated P and D (a test double): a minimal asyncio HTTP/1.1 server, cheap enough that a
+2-core machine measures the router, not the emulator. D streams N tokens: the first after FIRST ms, then one
+every INTERVAL ms, driven by one shared ticker. Speaks the P/D kv_transfer_params protocol subset a router uses.
+
+Run: python benchmarks/fastemu.py --port-p 0 --port-d 0  (prints {"prefill": url, "decode": url} and serves)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+import uuid
+
+P_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [0, 1],
+    "remote_engine_id": "p-emu",
+    "remote_request_id": "",
+    "remote_host": "127.0.0.1",
+    "remote_port": 1,
+    "tp_size": 1,
+    "remote_num_tokens": 32,
+}
+
+
+class Streams:
+    def __init__(self, tokens: int, first: float, interval: float) -> None:
+        self.tokens, self.first, self.interval = tokens, first, interval
+        self.active: list[list] = []  # [writer, start_time, sent, done_future, chat, params]
+
+    async def ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            now = time.perf_counter()
+            keep = []
+            for s in self.active:
+                writer, start, sent, done, chat, params = s
+                due = 0 if now - start < self.first else 1 + int((now - start - self.first) / self.interval)
+                due = min(due, self.tokens)
+                out = []
+                while sent < due:
+                    last = sent == self.tokens - 1
+                    choice = (
+                        {"index": 0, "delta": {"content": "tok "}, "finish_reason": "length" if last else None}
+                        if chat
+                        else {"index": 0, "text": "tok ", "finish_reason": "length" if last else None}
+                    )
+                    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}
+                    if last and params is not None:
+                        chunk["kv_transfer_params"] = params
+                    data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+                    if last:
+                        data += b"data: [DONE]\n\n"
+                    out.append(b"%x\r\n%s\r\n" % (len(data), data))
+                    sent += 1
+                s[2] = sent
+                if writer.is_closing():
+                    done.set_result(None)
+                    continue
+                if out:
+                    writer.write(b"".join(out))
+                if sent >= self.tokens:
+                    writer.write(b"0\r\n\r\n")
+                    done.set_result(None)
+                else:
+                    keep.append(s)
+            self.active = keep
+
+
+async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: str, streams: Streams) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            method, path, _ = lines[0].split(b" ", 2)
+            length = 0
+            for line in lines[1:]:
+                if line[:15].lower() == b"content-length:":
+                    length = int(line[15:])
+            body = await reader.readexactly(length) if length else b""
+            if method == b"GET":
+                payload = b'{"status":"ok"}' if path == b"/health" else b'{"object":"list","data":[{"id":"m","object":"model"}]}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload))
+                continue
+            req = json.loads(body)
+            chat = path.endswith(b"chat/completions")
+            params = req.get("kv_transfer_params") or {}
+            if role == "prefill":
+                out = dict(P_PARAMS, remote_request_id=uuid.uuid4().hex)
+                resp = {
+                    "id": "p",
+                    "object": "chat.completion",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "t"}, "finish_reason": "length"}],
+                    "kv_transfer_params": out,
+                }
+                payload = json.dumps(resp).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload))
+                continue
+            d_params = None
+            if params.get("do_remote_prefill"):
+                d_params = {
+                    "do_remote_prefill": False,
+                    "do_remote_decode": True,
+                    "remote_block_ids": [0, 1, 2],
+                    "remote_engine_id": "d-emu",
+                    "remote_request_id": uuid.uuid4().hex,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 2,
+                    "tp_size": 1,
+                    "remote_num_tokens": 95,
+                    "remote_blocks_expires_in": 480,
+                    "transfer_mode": "pull",
+                }
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            done = asyncio.get_running_loop().create_future()
+            streams.active.append([writer, time.perf_counter(), 0, done, chat, d_params])
+            await done
+    except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    streams = Streams(args.tokens, args.first / 1000, args.interval / 1000)
+    ticker = asyncio.ensure_future(streams.ticker())
+    p = await asyncio.start_server(lambda r, w: handle(r, w, "prefill", streams), "127.0.0.1", args.port_p, backlog=4096)
+    d = await asyncio.start_server(lambda r, w: handle(r, w, "decode", streams), "127.0.0.1", args.port_d, backlog=4096)
+    urls = {"prefill": f"http://127.0.0.1:{p.sockets[0].getsockname()[1]}", "decode": f"http://127.0.0.1:{d.sockets[0].getsockname()[1]}"}
+    print(json.dumps(urls), flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        await asyncio.wait_for(stop.wait(), args.max_seconds)
+    except asyncio.TimeoutError:
+        pass
+    ticker.cancel()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port-p", type=int, default=0)
+    ap.add_argument("--port-d", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--first", type=float, default=20.0, help="ms to first token")
+    ap.add_argument("--interval", type=float, default=5.0, help="ms between tokens")
+    ap.add_argument("--max-seconds", type=float, default=1800)
+    args = ap.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Router overhead: C concurrent streaming chat conversations through a router vs straight to an emulated D.
+
+Modes, measured in one run series on loopback: `direct` (client → D), `bpdkv` (client → bpdkv router → P → D,
+sessions and reuse on), and `vllm-router` (the Rust PD router, PyPI vllm-router 0.1.17, when its binary is given
+or on PATH). D is benchmarks/fastemu.py (a test double): 64 tokens, first after 20 ms, then every 5 ms.
+Prints one JSON document: per mode and C, completed req/s, TTFT p50/p99, added TTFT vs direct, share of direct
+throughput, and the router process's CPU per request (from /proc/<pid>/stat).
+
+    python benchmarks/router_overhead.py --concurrency 16 64 256 --seconds 8 [--vllm-router /path/to/vllm-router]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its threads (children not included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_http(port: int, path: str = "/health", timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing healthy on port {port} after {timeout}s")
+
+
+class Proc:
+    """A child process we started; ended by PID, bounded lifetime."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+
+
+SYSTEM = "You are a terse assistant answering benchmark questions. " * 4
+
+
+async def one_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> tuple[float, float, int]:
+    start = time.perf_counter()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(body), body)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
+    lower = head.lower()
+    ttft = 0.0
+    data = bytearray()
+    if b"transfer-encoding: chunked" in lower:
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")
+                break
+            chunk = await reader.readexactly(size + 2)
+            if not ttft:
+                ttft = time.perf_counter() - start
+            data += chunk[:-2]
+    else:
+        length = int(lower.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        data += await reader.readexactly(length)
+        ttft = time.perf_counter() - start
+    return ttft, time.perf_counter() - start, data.count(b'"content":"tok "')
+
+
+async def client(port: int, deadline: float, measure_from: float, results: dict[str, Any], cid: int, turns: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.perf_counter() < deadline:
+            messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+            for turn in range(turns):
+                if time.perf_counter() >= deadline:
+                    break
+                messages.append({"role": "user", "content": f"conversation {cid} turn {turn}: next step?"})
+                body = json.dumps({"model": "m", "messages": messages, "max_tokens": 64, "stream": True, "ignore_eos": True}).encode()
+                t0 = time.perf_counter()
+                try:
+                    ttft, total, n = await one_request(reader, writer, body)
+                except (RuntimeError, asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
+                    results["errors"].append(str(exc)[:80])
+                    writer.close()
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    break
+                if t0 >= measure_from and time.perf_counter() <= deadline:
+                    results["ttft"].append(ttft)
+                    results["total"].append(total)
+                    results["done"] += 1
+                messages.append({"role": "assistant", "content": "tok " * n})
+    finally:
+        writer.close()
+
+
+async def load(port: int, concurrency: int, seconds: float, warmup: float, turns: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"ttft": [], "total": [], "done": 0, "errors": []}
+    start = time.perf_counter()
+    measure_from = start + warmup
+    deadline = measure_from + seconds
+    await asyncio.gather(*(client(port, deadline, measure_from, results, i, turns) for i in range(concurrency)))
+    return results
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_mode(mode: str, port: int, pid: int | None, c: int, args: argparse.Namespace) -> dict[str, Any]:
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    t0 = time.perf_counter()
+    results = asyncio.run(load(port, c, args.seconds, args.warmup, args.turns))
+    elapsed = time.perf_counter() - t0
+    cpu = (cpu_seconds(pid) - cpu0) if pid else None
+    total_requests = results["done"]
+    return {
+        "mode": mode,
+        "concurrency": c,
+        "completed": total_requests,
+        "req_per_s": total_requests / args.seconds,
+        "ttft_p50_ms": 1000 * pct(results["ttft"], 0.5),
+        "ttft_p99_ms": 1000 * pct(results["ttft"], 0.99),
+        "e2e_p50_ms": 1000 * pct(results["total"], 0.5),
+        "errors": len(results["errors"]),
+        "error_samples": sorted(set(results["errors"]))[:3],
+        # CPU over the whole run (warm-up included) divided by all requests it served, measured ones or not.
+        "router_cpu_ms_per_request": None
+        if cpu is None
+        else 1000 * cpu / max(total_requests * (args.seconds + args.warmup) / args.seconds, 1),
+        "router_rss_mb": None if pid is None else rss_bytes(pid) / 2**20,
+        "wall_s": elapsed,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--warmup", type=float, default=1.5)
+    ap.add_argument("--turns", type=int, default=6, help="turns per conversation before a new one starts")
+    ap.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="path of the vllm-router binary (peer)")
+    ap.add_argument("--modes", nargs="+", default=["direct", "bpdkv", "vllm-router"])
+    args = ap.parse_args()
+
+    procs: list[Proc] = []
+    out: dict[str, Any] = {"benchmark": "router_overhead", "machine": {"cpus": os.cpu_count()}, "runs": []}
+    try:
+        emu = Proc([sys.executable, str(ROOT / "benchmarks" / "fastemu.py"), "--max-seconds", "1800"])
+        procs.append(emu)
+        assert emu.popen.stdout is not None
+        urls = json.loads(emu.popen.stdout.readline())
+        d_port = int(urls["decode"].rsplit(":", 1)[1])
+        wait_http(d_port)
+        routers: dict[str, tuple[int, int]] = {"direct": (d_port, 0)}
+        if "bpdkv" in args.modes:
+            port = free_port()
+            r = Proc(
+                [
+                    sys.executable,
+                    "-m",
+                    "bpdkv.cli",
+                    "router",
+                    "--prefill",
+                    urls["prefill"],
+                    "--decode",
+                    urls["decode"],
+                    "--port",
+                    str(port),
+                    "--health-interval",
+                    "5",
+                    "--log-level",
+                    "warning",
+                ]
+            )
+            procs.append(r)
+            wait_http(port)
+            routers["bpdkv"] = (port, r.popen.pid)
+        if "vllm-router" in args.modes and args.vllm_router:
+            port = free_port()
+            r = Proc(
+                [
+                    args.vllm_router,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--vllm-pd-disaggregation",
+                    "--prefill",
+                    urls["prefill"],
+                    "--decode",
+                    urls["decode"],
+                    "--policy",
+                    "round_robin",
+                    "--log-level",
+                    "warning",
+                    "--prometheus-port",
+                    str(free_port()),
+                ]
+            )
+            procs.append(r)
+            wait_http(port, "/health", 60)
+            routers["vllm-router"] = (port, r.popen.pid)
+        elif "vllm-router" in args.modes:
+            out["vllm_router"] = "not run: binary not found (pip install vllm-router==0.1.17, then pass --vllm-router)"
+        for c in args.concurrency:
+            direct = None
+            for mode in ("direct", "bpdkv", "vllm-router"):
+                if mode not in routers:
+                    continue
+                port, pid = routers[mode]
+                res = run_mode(mode, port, pid or None, c, args)
+                if mode == "direct":
+                    direct = res
+                elif direct:
+                    res["added_ttft_p50_ms"] = res["ttft_p50_ms"] - direct["ttft_p50_ms"]
+                    res["added_ttft_p99_ms"] = res["ttft_p99_ms"] - direct["ttft_p99_ms"]
+                    res["throughput_share_of_direct"] = res["req_per_s"] / direct["req_per_s"] if direct["req_per_s"] else None
+                out["runs"].append(res)
+                print(json.dumps(res), file=sys.stderr, flush=True)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
