@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import logging
@@ -169,6 +170,9 @@ class Router:
             await self.stop()
 
     async def start(self) -> None:
+        # Long-lived objects (config, pools, metrics) leave the GC's young generations: fewer, shorter pauses (p99).
+        gc.collect()
+        gc.freeze()
         t = self.config.timeouts
         # aiohttp rather than httpx: httpcore's pool scans every connection per request (is_socket_readable), which
         # profiled at 84% of router CPU at 64 concurrent streams; aiohttp's connector keeps per-host idle lists.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,12 @@ def usable_d_params(params: Any) -> bool:
     )
 
 
+# Fast path for the common SSE event (one choice, a text delta, not the last one): pull the text out without
+# parsing the whole event. Anything unusual (params, finish, tool calls, escapes we can't take) takes the full path.
+_TEXT_RE = re.compile(rb'"(?:content|text)":"((?:[^"\\]|\\.)*)"')
+_PLAIN_NULL_FINISH = (b'"finish_reason":null', b'"finish_reason": null')
+
+
 @dataclass
 class StreamCapture:
     """What the router learns from D's SSE stream while passing it through."""
@@ -94,6 +101,19 @@ class StreamCapture:
     def _event(self, event: bytes, chat: bool) -> bytes:
         if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
             return event
+        if (
+            b"kv_transfer_params" not in event
+            and b"tool_calls" not in event
+            and (_PLAIN_NULL_FINISH[0] in event or _PLAIN_NULL_FINISH[1] in event)
+            and event.count(b'"index"') == 1
+        ):
+            match = _TEXT_RE.search(event)
+            if match is not None:
+                piece = match.group(1)
+                self.text.append(piece.decode() if b"\\" not in piece else json.loads(b'"' + piece + b'"'))
+                return event
+            if b'"content"' not in event and b'"text"' not in event:
+                return event
         try:
             data = json.loads(event[6:])
         except ValueError:

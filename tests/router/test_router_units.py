@@ -112,3 +112,15 @@ def test_rendered_router_config_loads(tmp_path: Path) -> None:
 def test_bad_router_config_is_one_clear_error() -> None:
     with pytest.raises(RouterConfigError, match="prefill"):
         config_from_dict({"listen": "x", "port": 1, "decode": [{"url": "http://d"}]})
+
+
+@given(st.lists(st.text(max_size=12), min_size=1, max_size=8), st.booleans())
+def test_stream_capture_fast_path_equals_full_parse(pieces: list[str], ascii_only: bool) -> None:
+    capture = StreamCapture()
+    raw = b""
+    for piece in pieces:
+        event = {"id": "1", "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+        raw += b"data: " + json.dumps(event, ensure_ascii=ascii_only).encode() + b"\n\n"
+    out = capture.feed(raw, chat=True)
+    assert out == raw  # passed through untouched
+    assert "".join(capture.text) == "".join(pieces)
