@@ -1,6 +1,6 @@
 """Benchmark-only emulated P and D (a test double): a minimal asyncio HTTP/1.1 server, cheap enough that a
 2-core machine measures the router, not the emulator. D streams N tokens: the first after FIRST ms, then one
-every INTERVAL ms, driven by one shared ticker. Speaks the P/D kv_transfer_params protocol subset a router uses.
+every INTERVAL ms, driven by one shared 1 ms ticker (so timing is exact to 1 ms for every stream). Speaks the P/D kv_transfer_params protocol subset a router uses.
 
 Run: python benchmarks/fastemu.py --port-p 0 --port-d 0  (prints {"prefill": url, "decode": url} and serves)
 """
@@ -28,13 +28,13 @@ P_PARAMS = {
 
 
 class Streams:
-    def __init__(self, tokens: int, first: float, interval: float) -> None:
-        self.tokens, self.first, self.interval = tokens, first, interval
+    def __init__(self, tokens: int, first: float, interval: float, tick: float) -> None:
+        self.tokens, self.first, self.interval, self.tick = tokens, first, interval, tick
         self.active: list[list] = []  # [writer, start_time, sent, done_future, chat, params]
 
     async def ticker(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.tick)  # token times are quantised to the tick (1 ms by default)
             now = time.perf_counter()
             keep = []
             for s in self.active:
@@ -126,7 +126,7 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rol
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    streams = Streams(args.tokens, args.first / 1000, args.interval / 1000)
+    streams = Streams(args.tokens, args.first / 1000, args.interval / 1000, args.tick / 1000)
     ticker = asyncio.ensure_future(streams.ticker())
     p = await asyncio.start_server(lambda r, w: handle(r, w, "prefill", streams), "127.0.0.1", args.port_p, backlog=4096)
     d = await asyncio.start_server(lambda r, w: handle(r, w, "decode", streams), "127.0.0.1", args.port_d, backlog=4096)
@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--first", type=float, default=20.0, help="ms to first token")
     ap.add_argument("--interval", type=float, default=5.0, help="ms between tokens")
+    ap.add_argument("--tick", type=float, default=1.0, help="ms resolution of token timing")
     ap.add_argument("--max-seconds", type=float, default=1800)
     args = ap.parse_args()
     try:
