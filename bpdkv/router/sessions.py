@@ -162,8 +162,18 @@ class MemoryStore:
     async def put(self, key: str, entry: SessionEntry, ttl: float) -> None:
         self._data.pop(key, None)
         self._data[key] = entry
+        self._purge_front()
         if len(self._data) > self._max:
             self._evict()
+
+    def _purge_front(self, budget: int = 32) -> None:
+        """Abandoned conversations never come back for their entry: drop expired ones from the old end, a few per put."""
+        now = self._clock()
+        for _ in range(budget):
+            oldest = next(iter(self._data), None)
+            if oldest is None or self._data[oldest].expires_at > now:
+                return
+            del self._data[oldest]
 
     def _evict(self) -> None:
         now = self._clock()

@@ -124,3 +124,20 @@ def test_stream_capture_fast_path_equals_full_parse(pieces: list[str], ascii_onl
     out = capture.feed(raw, chat=True)
     assert out == raw  # passed through untouched
     assert "".join(capture.text) == "".join(pieces)
+
+
+def test_memory_store_purges_abandoned_entries() -> None:
+    import asyncio
+
+    from bpdkv.router.sessions import MemoryStore, SessionEntry
+
+    now = [0.0]
+    store = MemoryStore(clock=lambda: now[0])
+
+    async def scenario() -> int:
+        for i in range(1000):
+            now[0] = float(i)
+            await store.put(f"k{i}", SessionEntry({}, expires_at=now[0] + 10, history=""), 10)
+        return await store.count()
+
+    assert asyncio.run(scenario()) <= 11
