@@ -192,6 +192,250 @@ def profiles_show(name: str) -> None:
     raise UsageError(f"unknown profile '{name}'; {suggest(name, names)}")
 
 
+def _ssh_options(accept_new_host_keys: bool, command_timeout: float) -> Any:
+    from bpdkv.remote import SshOptions
+
+    return SshOptions(accept_new_host_keys=accept_new_host_keys, command_timeout=command_timeout)
+
+
+ssh_flags = [
+    click.option(
+        "--accept-new-host-keys", is_flag=True, help="Record unknown SSH host keys (like accept-new); changed keys are still refused."
+    ),
+    click.option("--command-timeout", type=float, default=120.0, show_default=True, help="Seconds one remote command may take."),
+    click.option("--parallel", type=click.IntRange(1, 256), default=8, show_default=True, help="Hosts handled at once."),
+]
+
+
+def with_ssh_flags(fn: F) -> F:
+    for flag in reversed(ssh_flags):
+        fn = flag(fn)
+    return fn
+
+
+def _print_plan(plan: Any, show_diff: bool = True) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(highlight=False)
+    console.print(f"[bold]plan[/] for topology [bold]{plan.topology}[/] (generation {plan.generation})")
+    if plan.compat_break:
+        console.print(f"[bold red]compatibility break[/]: {'; '.join(plan.compat_changes)} — all prefill and decode restart together")
+    colors = {"create": "green", "update": "yellow", "delete": "red", "none": "dim"}
+    for h in plan.hosts:
+        if not h.reachable:
+            console.print(f"[bold]{h.host}[/] ({h.address}): [red]error: {escape(h.error or '')}[/]")
+            continue
+        console.print(f"[bold]{h.host}[/] ({h.address})" + ("" if h.changed else " [dim]no changes[/]"))
+        for f in h.files:
+            if f.action == "none":
+                continue
+            drift = " [magenta](drift: edited on the host)[/]" if f.drift else ""
+            console.print(f"  [{colors[f.action]}]{f.symbol} {escape(f.path)}[/]{drift}")
+            if show_diff and f.diff:
+                for line in f.diff.splitlines()[2:]:
+                    color = (
+                        "green" if line.startswith("+") else "red" if line.startswith("-") else "cyan" if line.startswith("@@") else "dim"
+                    )
+                    console.print(f"      [{color}]{escape(line)}[/]")
+        if h.daemon_reload:
+            console.print("  [cyan]systemctl daemon-reload[/]")
+        for u in h.units:
+            if u.action != "none":
+                console.print(f"  [bold]{u.action}[/] {u.unit} — {escape(u.reason)}")
+    if plan.waves:
+        console.print("order: " + " → ".join(f"{w['role']} ({len(w['units'])})" for w in plan.waves))
+    from bpdkv.deploy import plan_summary
+
+    s = plan_summary(plan)
+    console.print(
+        f"[bold]{s['create']} to create, {s['update']} to update, {s['delete']} to delete; {s['restart']} unit(s) to (re)start, {s['stop']} to stop[/]"
+    )
+
+
+@main.command()
+@click.argument("topology", type=click.Path(path_type=str))
+@click.option("--offline", is_flag=True, help="Plan against empty hosts (all create) without SSH.")
+@click.option("--output", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Save the plan for `bpdkv apply PLAN.json`.")
+@click.option("--no-diff", is_flag=True, help="Do not print file diffs.")
+@with_ssh_flags
+@user_errors
+def plan(
+    topology: str,
+    offline: bool,
+    output: str,
+    out_file: Path | None,
+    no_diff: bool,
+    accept_new_host_keys: bool,
+    command_timeout: float,
+    parallel: int,
+) -> None:
+    """Show what apply would change: files (+ ~ -), daemon-reload, unit actions with reasons, order.
+
+    Exit code: 0 no changes, 2 changes, 1 error (like terraform plan -detailed-exitcode)."""
+    from bpdkv.deploy import load_fleet, plan_fleet, save_plan
+
+    fleet = load_fleet(topology)
+    try:
+        result = plan_fleet(fleet, offline, _ssh_options(accept_new_host_keys, command_timeout), parallel)
+    finally:
+        fleet.close()
+    if out_file is not None:
+        save_plan(result, fleet, out_file)
+    if output == "json":
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        _print_plan(result, show_diff=not no_diff)
+        if out_file is not None:
+            click.echo(f"saved plan to {out_file}; apply it with: bpdkv apply {out_file}")
+    sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("target", type=click.Path(path_type=str))
+@click.option("-y", "--yes", is_flag=True, help="Do not ask before applying.")
+@click.option("--max-unavailable", type=click.IntRange(1, 1024), default=1, show_default=True, help="Units of one role restarting at once.")
+@click.option(
+    "--start-timeout",
+    type=float,
+    default=None,
+    help="Seconds a unit may take to pass /health and /v1/models (default: vllm.start_timeout).",
+)
+@with_ssh_flags
+@user_errors
+def apply(
+    target: str,
+    yes: bool,
+    max_unavailable: int,
+    start_timeout: float | None,
+    accept_new_host_keys: bool,
+    command_timeout: float,
+    parallel: int,
+) -> None:
+    """Make the fleet match TARGET (a topology, or a plan saved with `plan --out`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bpdkv.apply import ApplyOptions
+    from bpdkv.deploy import check_saved_plan, load_fleet, load_saved_plan, plan_fleet
+
+    ssh = _ssh_options(accept_new_host_keys, command_timeout)
+    saved = None
+    topology_file = target
+    if target.endswith(".json"):
+        saved, topology_file = load_saved_plan(Path(target))
+    fleet = load_fleet(topology_file)
+    console = Console(highlight=False, stderr=False)
+    try:
+        fresh = plan_fleet(fleet, False, ssh, parallel)
+        if saved is not None:
+            check_saved_plan(saved, fresh)
+        if not fresh.has_changes:
+            if fresh.has_errors:
+                _print_plan(fresh, show_diff=False)
+                sys.exit(1)
+            console.print("no changes: the fleet matches the topology")
+            return
+        if saved is None:
+            _print_plan(fresh)
+            if not yes:
+                if not sys.stdin.isatty():
+                    raise click.UsageError("refusing to apply without confirmation: pass -y (stdin is not a terminal)")
+                click.confirm("apply these changes?", abort=True)
+        options = ApplyOptions(parallel=parallel, max_unavailable=max_unavailable, start_timeout=start_timeout, ssh=ssh)
+
+        def progress(host: str, message: str) -> None:
+            console.print(f"[dim]{host}[/]: {message}")
+
+        from bpdkv.deploy import apply_plan
+
+        outcomes = apply_plan(fleet, fresh, options, progress)
+    finally:
+        fleet.close()
+    table = Table(title="apply summary")
+    for col in ("host", "status", "files", "units (re)started", "message"):
+        table.add_column(col)
+    failed = False
+    for o in outcomes.values():
+        color = {"applied": "green", "unchanged": "dim", "rolled back": "red", "failed": "red", "unreachable": "red"}[o.status]
+        failed = failed or o.status in ("rolled back", "failed", "unreachable")
+        table.add_row(o.host, f"[{color}]{o.status}[/]", str(o.files_written), ", ".join(o.units_restarted), o.message)
+    console.print(table)
+    for o in outcomes.values():
+        if o.status in ("rolled back", "failed", "unreachable"):
+            _red(f"{o.host}: {o.status}: {o.message}")
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.argument("topology", type=click.Path(path_type=str))
+@click.option("--output", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@with_ssh_flags
+@user_errors
+def status(topology: str, output: str, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
+    """Per instance: unit state, health, versions, drift. Exit 1 when anything is unhealthy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bpdkv.deploy import load_fleet
+    from bpdkv.deploy import status as fleet_status
+
+    fleet = load_fleet(topology)
+    try:
+        rows = fleet_status(fleet, _ssh_options(accept_new_host_keys, command_timeout), parallel)
+    finally:
+        fleet.close()
+    healthy = all(r.healthy for r in rows)
+    if output == "json":
+        click.echo(json.dumps({"healthy": healthy, "instances": [dict(vars(r), healthy=r.healthy) for r in rows]}, indent=2))
+    else:
+        table = Table(title=f"status of {topology}")
+        for col in ("node", "instance", "role", "unit", "state", "health", "drift", "versions"):
+            table.add_column(col)
+        for r in rows:
+            ok = "green" if r.healthy else "red"
+            versions = " ".join(f"{k} {v}" for k, v in sorted(r.versions.items()))
+            table.add_row(
+                r.node,
+                r.instance,
+                r.role,
+                r.unit,
+                f"[{ok}]{r.state}[/]",
+                f"[{ok}]{r.health}[/]",
+                ", ".join(r.drift) or "-",
+                versions or "-",
+            )
+        Console(highlight=False).print(table)
+    sys.exit(0 if healthy else 1)
+
+
+@main.command()
+@click.argument("topology", type=click.Path(path_type=str))
+@click.option("-y", "--yes", is_flag=True, help="Do not ask.")
+@with_ssh_flags
+@user_errors
+def destroy(topology: str, yes: bool, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
+    """Stop and disable bpdkv's units and remove exactly the files in each host's manifest."""
+    from bpdkv.deploy import destroy as fleet_destroy
+    from bpdkv.deploy import load_fleet
+
+    if not yes:
+        if not sys.stdin.isatty():
+            raise click.UsageError("refusing to destroy without confirmation: pass -y (stdin is not a terminal)")
+        click.confirm(f"destroy every bpdkv unit and file of {topology}?", abort=True)
+    fleet = load_fleet(topology)
+    try:
+        results = fleet_destroy(fleet, _ssh_options(accept_new_host_keys, command_timeout), parallel, lambda h, m: click.echo(f"{h}: {m}"))
+    finally:
+        fleet.close()
+    bad = False
+    for host, message in results.items():
+        (_red if message.startswith(("unreachable", "failed")) else click.echo)(f"{host}: {message}")
+        bad = bad or message.startswith(("unreachable", "failed"))
+    sys.exit(1 if bad else 0)
+
+
 @main.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help="Router config written by `bpdkv render`.")
 @click.option("--prefill", "prefill", multiple=True, help="Prefill URL (repeatable); instead of --config.")

@@ -1,0 +1,284 @@
+"""Execute a Plan: atomic file writes with backups, daemon-reload, restart waves with health gates, rollback, manifest last.
+
+Every write goes through `Executor`; nothing here decides *what* to change (plan.py did).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fabric import Connection
+
+from bpdkv.plan import HostPlan, Plan, UnitAction, manifest_for
+from bpdkv.remote import MANIFEST_PATH, RemoteError, SshOptions, run
+from bpdkv.render import Artifact
+from bpdkv.topology.model import Topology
+
+BACKUP_DIR = "/var/lib/bpdkv/backup"
+STATE_DIR = "/var/lib/bpdkv"
+TMP_SUFFIX = ".bpdkv-new"
+KEEP_BACKUPS = 3
+
+
+@dataclass
+class HostOutcome:
+    host: str
+    status: str = "unchanged"  # unchanged | applied | rolled back | failed | unreachable
+    message: str = ""
+    files_written: int = 0
+    units_restarted: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ApplyOptions:
+    parallel: int = 8
+    max_unavailable: int = 1
+    start_timeout: float | None = None  # default: topology.vllm.start_timeout
+    ssh: SshOptions = SshOptions()
+
+
+Progress = Callable[[str, str], None]  # (host, message)
+
+
+def _put_atomic(conn: Connection, node: str, art_path: str, content: str, mode: int, options: SshOptions) -> None:
+    """Upload to a temp name beside the target, chmod, then rename: the target is never half-written."""
+    tmp = art_path + TMP_SUFFIX
+    parent = art_path.rsplit("/", 1)[0] or "/"
+    run(conn, node, f"mkdir -p {shlex.quote(parent)}", options)
+    try:
+        conn.put(io.BytesIO(content.encode()), remote=tmp)
+    except Exception as exc:  # noqa: BLE001 - paramiko/sftp raise many kinds; one line about this host
+        raise RemoteError(node, f"upload of {art_path} failed: {exc}") from None
+    run(conn, node, f"chmod {mode:o} {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(art_path)}", options)
+
+
+def health_gate(address: str, port: int, timeout: float, probe_interval: float = 0.5) -> str | None:
+    """None when /health and then /v1/models answer 200 within timeout; else what was last seen."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    for path in ("/health", "/v1/models"):
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{address}:{port}{path}", timeout=min(5.0, max(timeout, 0.5))) as resp:
+                    if resp.status == 200:
+                        break
+                    last = f"{path}: HTTP {resp.status}"
+            except urllib.error.HTTPError as exc:
+                last = f"{path}: HTTP {exc.code}"
+            except (urllib.error.URLError, OSError) as exc:
+                last = f"{path}: {getattr(exc, 'reason', exc)}"
+            if time.monotonic() >= deadline:
+                return last
+            time.sleep(probe_interval)
+    return None
+
+
+class Executor:
+    def __init__(
+        self,
+        topology: Topology,
+        artifacts: list[Artifact],
+        plan: Plan,
+        conns: dict[str, Connection],
+        options: ApplyOptions,
+        progress: Progress | None = None,
+    ) -> None:
+        self.topology = topology
+        self.artifacts = artifacts
+        self.plan = plan
+        self.conns = conns
+        self.options = options
+        self.progress = progress or (lambda host, msg: None)
+        self.outcomes: dict[str, HostOutcome] = {h.host: HostOutcome(h.host) for h in plan.hosts}
+        self.backups: dict[str, str] = {}
+
+    # ---- phases ----------------------------------------------------------------------------------------------
+    def write_files(self, hp: HostPlan) -> None:
+        conn = self.conns[hp.host]
+        opts = self.options.ssh
+        changed = [f for f in hp.files if f.action != "none"]
+        backup = f"{BACKUP_DIR}/{self.plan.generation}"
+        self.backups[hp.host] = backup
+        # Previous versions first, so a failed gate can put them back; then temp + rename per file.
+        script = [f"mkdir -p {shlex.quote(backup)}"]
+        for f in changed:
+            q = shlex.quote(f.path)
+            script.append(
+                f"if [ -e {q} ]; then mkdir -p {shlex.quote(backup + f.path.rsplit('/', 1)[0])} && cp -p {q} {shlex.quote(backup + f.path)}; "
+                f"else echo {q} >> {shlex.quote(backup + '/.created')}; fi"
+            )
+        if changed:
+            run(conn, hp.host, "; ".join(script), opts)
+        contents = {a.path: a for a in self.artifacts if a.host == hp.host}
+        for f in changed:
+            if f.action == "delete":
+                run(conn, hp.host, f"rm -f {shlex.quote(f.path)}", opts)
+            else:
+                art = contents[f.path]
+                _put_atomic(conn, hp.host, f.path, art.content, art.mode, opts)
+            self.outcomes[hp.host].files_written += 1
+            self.progress(hp.host, f"{f.symbol} {f.path}")
+        dirs = " ".join(shlex.quote(f"{STATE_DIR}/{u.instance}") for u in hp.units if u.action != "stop")
+        if dirs:
+            run(conn, hp.host, f"mkdir -p {dirs}", opts)
+        if hp.daemon_reload:
+            run(conn, hp.host, "systemctl daemon-reload", opts, check=False)
+
+    def stop_units(self, hp: HostPlan) -> None:
+        for u in hp.units:
+            if u.action == "stop":
+                run(
+                    self.conns[hp.host],
+                    hp.host,
+                    f"systemctl stop {shlex.quote(u.unit)}; systemctl disable {shlex.quote(u.unit)}",
+                    self.options.ssh,
+                    check=False,
+                )
+                self.progress(hp.host, f"stopped {u.unit}")
+
+    def start_unit(self, hp: HostPlan, u: UnitAction) -> str | None:
+        """Start/restart one unit and gate on health; return the failure text, or None."""
+        conn = self.conns[hp.host]
+        verb = "restart" if u.action == "restart" else "start"
+        code, out, err = run(
+            conn,
+            hp.host,
+            f"systemctl enable {shlex.quote(u.unit)} >/dev/null 2>&1; systemctl {verb} {shlex.quote(u.unit)}",
+            self.options.ssh,
+            check=False,
+        )
+        if code != 0:
+            return f"systemctl {verb} exited {code}: {(err or out).strip()[-300:]}"
+        self.progress(hp.host, f"{verb}ed {u.unit}; waiting for health")
+        timeout = self.options.start_timeout or float(self.topology.vllm.start_timeout)
+        if u.port is None:
+            return None
+        failure = health_gate(hp.address, u.port, timeout)
+        if failure:
+            return f"health gate failed after {timeout:g}s ({failure})"
+        self.outcomes[hp.host].units_restarted.append(u.unit)
+        return None
+
+    def last_log_lines(self, hp: HostPlan, unit: str, n: int = 15) -> str:
+        cmd = (
+            f"journalctl -u {shlex.quote(unit)} -n {n} --no-pager 2>/dev/null | tail -n {n}; "
+            f"systemctl status {shlex.quote(unit)} 2>&1 | tail -n 5"
+        )
+        try:
+            _, out, _ = run(self.conns[hp.host], hp.host, cmd, self.options.ssh, check=False)
+        except RemoteError:
+            return ""
+        return out.strip()
+
+    def rollback(self, hp: HostPlan) -> None:
+        """Put the previous files back (or remove files this run created), reload, restart the old units."""
+        conn = self.conns[hp.host]
+        backup = self.backups.get(hp.host)
+        if not backup:
+            return
+        script = (
+            f"cd {shlex.quote(backup)} && "
+            'find . -type f ! -name .created | while read -r f; do p=${f#.}; cp -p "$f" "$p"; done; '
+            'if [ -f .created ]; then while read -r p; do rm -f "$p"; done < .created; fi'
+        )
+        run(conn, hp.host, script, self.options.ssh, check=False)
+        run(conn, hp.host, "systemctl daemon-reload", self.options.ssh, check=False)
+        for u in hp.units:
+            if u.action in ("start", "restart"):
+                if u.reason == "new instance":
+                    run(
+                        conn,
+                        hp.host,
+                        f"systemctl stop {shlex.quote(u.unit)}; systemctl disable {shlex.quote(u.unit)}",
+                        self.options.ssh,
+                        check=False,
+                    )
+                else:
+                    run(conn, hp.host, f"systemctl restart {shlex.quote(u.unit)}", self.options.ssh, check=False)
+        self.progress(hp.host, "rolled back to the previous files and units")
+
+    def write_manifest(self, hp: HostPlan) -> None:
+        manifest = manifest_for(self.topology, hp.host, self.artifacts, self.plan.generation)
+        _put_atomic(
+            self.conns[hp.host], hp.host, MANIFEST_PATH, json.dumps(manifest, indent=2, sort_keys=True) + "\n", 0o644, self.options.ssh
+        )
+        keep = KEEP_BACKUPS
+        run(
+            self.conns[hp.host],
+            hp.host,
+            f'[ -d {BACKUP_DIR} ] && ls -1t {BACKUP_DIR} | tail -n +{keep + 1} | while read -r d; do rm -rf {BACKUP_DIR}/"$d"; done; true',
+            self.options.ssh,
+            check=False,
+        )
+
+    def fail(self, hp: HostPlan, status: str, message: str) -> None:
+        out = self.outcomes[hp.host]
+        out.status = status
+        out.message = message
+
+
+def execute(executor: Executor, for_each: Callable[[list[Any], Callable[[Any], Any]], list[Any]]) -> dict[str, HostOutcome]:
+    """Phases across hosts: stops, files (parallel), then unit waves per role, manifests last."""
+    plan = executor.plan
+    live = [h for h in plan.hosts if h.reachable and h.host in executor.conns]
+    for h in plan.hosts:
+        if not h.reachable or h.host not in executor.conns:
+            executor.fail(h, "unreachable", h.error or "not connected")
+
+    def guarded(step: Callable[[HostPlan], Any]) -> Callable[[HostPlan], Any]:
+        def inner(hp: HostPlan) -> Any:
+            if executor.outcomes[hp.host].status in ("failed", "rolled back", "unreachable"):
+                return None
+            try:
+                return step(hp)
+            except RemoteError as exc:
+                executor.fail(hp, "failed", exc.reason)
+            return None
+
+        return inner
+
+    for_each([h for h in live if h.changed], guarded(executor.stop_units))
+    for_each([h for h in live if h.changed], guarded(executor.write_files))
+
+    # Waves by role; within a role at most max_unavailable units restart at once (across hosts).
+    for role in ("prefill", "decode", "router"):
+        todo = [(h, u) for h in live for u in h.units if u.role == role and u.action in ("start", "restart")]
+        size = max(1, executor.options.max_unavailable)
+        for start in range(0, len(todo), size):
+            batch = [(h, u) for h, u in todo[start : start + size] if executor.outcomes[h.host].status not in ("failed", "rolled back")]
+            results = for_each(batch, lambda pair: _start(executor, *pair))
+            for (h, u), failure in zip(batch, results, strict=True):
+                if isinstance(failure, RemoteError):
+                    executor.fail(h, "failed", failure.reason)
+                elif failure:
+                    logs = executor.last_log_lines(h, u.unit)
+                    executor.rollback(h)
+                    tail = " | ".join(line for line in logs.splitlines()[-5:] if line.strip())
+                    executor.fail(
+                        h,
+                        "rolled back",
+                        f"{u.unit}: {failure}; rolled back to previous files" + (f"; last log lines: {tail}" if tail else ""),
+                    )
+
+    def finish(hp: HostPlan) -> None:
+        executor.write_manifest(hp)
+        out = executor.outcomes[hp.host]
+        out.status = "applied" if hp.changed else "unchanged"
+
+    for_each([h for h in live if executor.outcomes[h.host].status not in ("failed", "rolled back")], guarded(finish))
+    return executor.outcomes
+
+
+def _start(executor: Executor, hp: HostPlan, unit: UnitAction) -> str | RemoteError | None:
+    try:
+        return executor.start_unit(hp, unit)
+    except RemoteError as exc:
+        return exc

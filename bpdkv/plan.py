@@ -1,0 +1,297 @@
+"""Facts + rendered artifacts → Plan. Pure: no network, no clock (golden/fixture testable, like pyinfra's operations)."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bpdkv import __version__
+from bpdkv.remote import MANIFEST_PATH, HostFacts
+from bpdkv.render import Artifact
+from bpdkv.topology.model import Topology
+
+SECRET_KEY = re.compile(r"(?i)(key|token|secret|passw|credential|auth)")
+ROLE_ORDER = ("prefill", "decode", "router")
+
+
+@dataclass(frozen=True)
+class FileChange:
+    path: str
+    action: str  # create | update | delete | none
+    mode: int
+    instance: str | None
+    drift: bool = False  # the file differs from what the last apply wrote (edited by hand)
+    diff: str = ""
+
+    @property
+    def symbol(self) -> str:
+        return {"create": "+", "update": "~", "delete": "-", "none": " "}[self.action]
+
+
+@dataclass(frozen=True)
+class UnitAction:
+    unit: str
+    instance: str
+    role: str
+    action: str  # start | restart | stop | none
+    reason: str
+    port: int | None = None
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    host: str  # node name
+    address: str
+    reachable: bool
+    error: str | None
+    files: list[FileChange]
+    daemon_reload: bool
+    units: list[UnitAction]
+    facts_digest: str
+
+    @property
+    def changed(self) -> bool:
+        return any(f.action != "none" for f in self.files) or any(u.action != "none" for u in self.units)
+
+
+@dataclass(frozen=True)
+class Plan:
+    topology: str
+    generation: str
+    bpdkv_version: str
+    compat_break: bool
+    compat_changes: list[str]
+    hosts: list[HostPlan]
+    waves: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def has_changes(self) -> bool:
+        return any(h.changed for h in self.hosts)
+
+    @property
+    def has_errors(self) -> bool:
+        return any(not h.reachable for h in self.hosts)
+
+    @property
+    def exit_code(self) -> int:
+        """Like terraform plan -detailed-exitcode: 0 no changes, 2 changes, 1 error."""
+        return 1 if self.has_errors else 2 if self.has_changes else 0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for host in out["hosts"]:
+            for f in host["files"]:
+                f["symbol"] = {"create": "+", "update": "~", "delete": "-", "none": " "}[f["action"]]
+        out["has_changes"] = self.has_changes
+        out["has_errors"] = self.has_errors
+        return out
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Plan:
+        hosts = [
+            HostPlan(
+                host=h["host"],
+                address=h["address"],
+                reachable=h["reachable"],
+                error=h["error"],
+                files=[FileChange(f["path"], f["action"], f["mode"], f["instance"], f["drift"], f["diff"]) for f in h["files"]],
+                daemon_reload=h["daemon_reload"],
+                units=[UnitAction(u["unit"], u["instance"], u["role"], u["action"], u["reason"], u["port"]) for u in h["units"]],
+                facts_digest=h["facts_digest"],
+            )
+            for h in data["hosts"]
+        ]
+        return Plan(
+            data["topology"], data["generation"], data["bpdkv_version"], data["compat_break"], data["compat_changes"], hosts, data["waves"]
+        )
+
+
+def compat_fingerprint(topology: Topology) -> dict[str, Any]:
+    """What P and D must agree on; a change restarts all of them together as one generation."""
+    return {
+        "model": topology.model.id,
+        "vllm": topology.vllm.version,
+        "vllm_package": topology.vllm.package,
+        "dtype": topology.model.dtype,
+        "kv_cache_dtype": sorted({i.kv_cache_dtype for _, i in topology.instances() if i.role != "router"}),
+        "block_size": sorted({i.block_size for _, i in topology.instances() if i.role != "router"}),
+        "connector": topology.kv_transfer.connector,
+    }
+
+
+def generation_id(artifacts: list[Artifact]) -> str:
+    h = hashlib.sha256()
+    for art in sorted(artifacts, key=lambda a: (a.host, a.path)):
+        h.update(f"{art.host}\0{art.path}\0{art.mode}\0".encode())
+        h.update(art.content.encode())
+    return h.hexdigest()[:12]
+
+
+def facts_digest(facts: HostFacts) -> str:
+    stable = {
+        "manifest": facts.manifest,
+        "files": {p: (None if i is None else i["sha256"]) for p, i in sorted(facts.files.items())},
+        "units": facts.units,
+    }
+    return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def redact(text: str) -> str:
+    out = []
+    for line in text.splitlines(keepends=True):
+        key, sep, _ = line.partition("=")
+        if sep and SECRET_KEY.search(key) and not key.lstrip().startswith("#"):
+            out.append(f"{key}=<redacted>\n")
+        else:
+            out.append(line)
+    return "".join(out)
+
+
+def _diff(host: str, path: str, old: str | None, new: str | None, secret: bool) -> str:
+    a = redact(old or "") if secret else (old or "")
+    b = redact(new or "") if secret else (new or "")
+    lines = difflib.unified_diff(
+        a.splitlines(keepends=True), b.splitlines(keepends=True), f"{host}:{path} (on host)", f"{host}:{path} (rendered)"
+    )
+    return "".join(lines)
+
+
+def manifest_for(topology: Topology, host: str, artifacts: list[Artifact], generation: str) -> dict[str, Any]:
+    return {
+        "topology": topology.name,
+        "bpdkv_version": __version__,
+        "generation": generation,
+        "node": host,
+        "files": {a.path: hashlib.sha256(a.content.encode()).hexdigest() for a in artifacts if a.host == host},
+        "units": sorted(a.unit for a in artifacts if a.host == host and a.unit),
+        "instances": {a.unit: a.instance for a in artifacts if a.host == host and a.unit},
+        "compat": compat_fingerprint(topology),
+    }
+
+
+def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, HostFacts]) -> Plan:
+    generation = generation_id(artifacts)
+    desired_compat = compat_fingerprint(topology)
+    # Compatibility break: any host's last manifest disagrees with what we are about to deploy.
+    compat_changes: list[str] = []
+    for known in facts.values():
+        old = (known.manifest or {}).get("compat") if known.reachable else None
+        if old:
+            for key, value in desired_compat.items():
+                if old.get(key) != value:
+                    change = f"{key}: {old.get(key)} → {value}"
+                    if change not in compat_changes:
+                        compat_changes.append(change)
+    compat_break = bool(compat_changes)
+
+    instances = {i.name: (n, i) for n, i in topology.instances()}
+    host_plans: list[HostPlan] = []
+    restarted_prefill: list[str] = []
+    pending: list[tuple[str, list[FileChange], bool, list[UnitAction], HostFacts]] = []
+
+    for node in topology.nodes:
+        f = facts.get(node.name)
+        mine = [a for a in artifacts if a.host == node.name]
+        if f is None or not f.reachable:
+            host_plans.append(HostPlan(node.name, node.host, False, f.error if f else "no facts", [], False, [], ""))
+            continue
+        manifest_files: dict[str, str] = (f.manifest or {}).get("files", {}) if isinstance(f.manifest, dict) else {}
+        changes: list[FileChange] = []
+        changed_by_instance: dict[str, list[str]] = {}
+        for art in sorted(mine, key=lambda a: a.path):
+            info = f.files.get(art.path)
+            want = hashlib.sha256(art.content.encode()).hexdigest()
+            recorded = manifest_files.get(art.path)
+            drift = info is not None and recorded is not None and info["sha256"] != recorded
+            if info is None:
+                action = "create"
+            elif info["sha256"] != want or info.get("mode") != art.mode:
+                action = "update"
+            else:
+                action = "none"
+            diff = _diff(node.name, art.path, f.content(art.path), art.content, art.secret) if action == "update" else ""
+            changes.append(FileChange(art.path, action, art.mode, art.instance, drift, diff))
+            if action != "none" and art.instance:
+                changed_by_instance.setdefault(art.instance, []).append(_kind(art.path))
+        rendered = {a.path for a in mine}
+        for path in sorted(manifest_files):
+            if path not in rendered and path != MANIFEST_PATH:
+                changes.append(FileChange(path, "delete", 0, None, False, ""))
+        units: list[UnitAction] = []
+        for art in sorted((a for a in mine if a.unit), key=lambda a: a.path):
+            assert art.unit and art.instance
+            _, inst = instances[art.instance]
+            state = f.units.get(art.unit, "inactive")
+            what = changed_by_instance.get(art.instance)
+            new = any(c.path == art.path and c.action == "create" for c in changes)
+            if new:
+                action, reason = "start", "new instance"
+            elif compat_break and inst.role in ("prefill", "decode"):
+                action, reason = "restart", "compatibility break (" + "; ".join(compat_changes) + "): P and D restart together"
+            elif what:
+                action, reason = ("restart" if state == "active" else "start"), "changed: " + ", ".join(sorted(set(what)))
+            elif state != "active":
+                action, reason = "start", f"not running ({state})"
+            else:
+                action, reason = "none", "up to date"
+            if inst.role == "prefill" and action in ("restart", "start") and not new:
+                restarted_prefill.append(inst.name)
+            units.append(UnitAction(art.unit, inst.name, inst.role, action, reason, inst.port))
+        old_units = (f.manifest or {}).get("units", []) if isinstance(f.manifest, dict) else []
+        old_instances = (f.manifest or {}).get("instances", {}) if isinstance(f.manifest, dict) else {}
+        for unit in old_units:
+            if unit not in {a.unit for a in mine if a.unit}:
+                units.append(UnitAction(unit, old_instances.get(unit, unit), "removed", "stop", "no longer in the topology"))
+        daemon_reload = any(c.path.endswith(".service") and c.action != "none" for c in changes)
+        pending.append((node.name, changes, daemon_reload, units, f))
+
+    # D instances that talk to a restarted P restart after it: their NIXL agents cache P's metadata.
+    for name, changes, daemon_reload, units, host_facts in pending:
+        if restarted_prefill:
+            units = [
+                UnitAction(
+                    u.unit,
+                    u.instance,
+                    u.role,
+                    "restart",
+                    f"prefill {', '.join(restarted_prefill)} restarts (stale NIXL agent cache on D)",
+                    u.port,
+                )
+                if u.role == "decode" and u.action == "none"
+                else u
+                for u in units
+            ]
+        node = next(n for n in topology.nodes if n.name == name)
+        host_plans.append(HostPlan(name, node.host, True, None, changes, daemon_reload, units, facts_digest(host_facts)))
+
+    host_plans.sort(key=lambda h: [n.name for n in topology.nodes].index(h.host))
+    waves: list[dict[str, Any]] = []
+    stops = [f"{h.host}:{u.unit}" for h in host_plans for u in h.units if u.action == "stop"]
+    if stops:
+        waves.append({"role": "removed", "action": "stop", "units": stops})
+    for role in ROLE_ORDER:
+        members = [f"{h.host}:{u.unit}" for h in host_plans for u in h.units if u.role == role and u.action in ("start", "restart")]
+        if members:
+            waves.append({"role": role, "action": "start/restart", "units": members})
+    return Plan(topology.name, generation, __version__, compat_break, compat_changes, host_plans, waves)
+
+
+def _kind(path: str) -> str:
+    if path.endswith(".service"):
+        return "unit"
+    if path.endswith(".env"):
+        return "env"
+    if path.endswith(".sh"):
+        return "launch script"
+    if path.endswith(".router.yaml"):
+        return "router config"
+    return path
+
+
+def empty_facts(topology: Topology) -> dict[str, HostFacts]:
+    """--offline: every host as if empty (everything is created)."""
+    return {n.name: HostFacts(node=n.name, reachable=True) for n in topology.nodes}

@@ -1,0 +1,316 @@
+"""Real OpenSSH test hosts on one Linux machine, each in its own network namespace (root only).
+
+Each host: a network namespace on a private bridge (10.213.0.0/24, no default route inside, and an
+`unreachable` route outside so test traffic can never leave), new mount/PID/UTS/IPC namespaces, a tiny init as
+PID 1 that runs sshd and reaps orphans, per-host directories bind-mounted over the paths a deploy writes
+(/etc/bpdkv, /opt/bpdkv, /etc/systemd/system, /var/lib/bpdkv, /var/log) and docker-systemctl-replacement
+bound over /usr/bin/systemctl so `systemctl` really runs units. Never real systemd as PID 1 (it would clean the
+machine's shared /tmp). Everything started here is ended by PID on stop().
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BASE = Path("/var/lib/bpdkv-testhosts")  # root-owned and not world-writable: sshd StrictModes accepts it
+BRIDGE = "bpdkv-br0"
+NET = "10.213.0"
+# Paths a deploy writes; each host gets its own copy (bind mounts), so hosts really differ.
+PER_HOST_DIRS = ("/etc/bpdkv", "/opt/bpdkv", "/etc/systemd/system", "/var/lib/bpdkv", "/var/log")
+
+INIT = r"""#!/usr/bin/python3
+# PID 1 of a test host: start sshd, reap every orphan (services started by systemctl end up here).
+import os, signal, subprocess, sys
+sshd = subprocess.Popen(sys.argv[1:])
+signal.signal(signal.SIGTERM, lambda *a: (sshd.terminate(), sys.exit(0)))
+while True:
+    try:
+        pid, _ = os.wait()
+    except ChildProcessError:
+        sys.exit(0)
+    if pid == sshd.pid:
+        sys.exit(0)
+"""
+
+HOST_SETUP = r"""set -e
+H=$1; shift
+hostname "$(basename "$H")"
+mount -t tmpfs -o mode=755 tmpfs /run
+mkdir -m 755 /run/sshd
+for d in "$@"; do mkdir -p "$d"; mount --bind "$H/fs$d" "$d"; done
+mount --bind "$BPDKV_LAB/systemctl" /usr/bin/systemctl
+mount --bind "$BPDKV_LAB/journalctl" /usr/bin/journalctl
+exec /usr/bin/python3 "$BPDKV_LAB/init.py" /usr/sbin/sshd -D -e -f "$H/sshd_config"
+"""
+
+
+class TestHostsUnavailable(Exception):
+    """Not root, or the namespace tools are missing: say why, so tests can skip with that reason."""
+
+
+@dataclass
+class TestHost:
+    name: str
+    address: str
+    dir: Path
+    pid: int | None = None
+
+    @property
+    def fs(self) -> Path:
+        """The host's own view of PER_HOST_DIRS, seen from outside (e.g. fs/etc/bpdkv)."""
+        return self.dir / "fs"
+
+
+@dataclass
+class TestHosts:
+    count: int = 3
+    base: Path = BASE
+    hosts: list[TestHost] = field(default_factory=list)
+
+    @property
+    def key(self) -> Path:
+        return self.base / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.base / "known_hosts"
+
+    @staticmethod
+    def check() -> None:
+        if os.geteuid() != 0:
+            raise TestHostsUnavailable("test hosts need root (network namespaces, bind mounts)")
+        for tool in ("ip", "unshare", "ssh-keygen", "/usr/sbin/sshd", "/usr/bin/python3"):
+            if shutil.which(tool) is None and not Path(tool).exists():
+                raise TestHostsUnavailable(f"{tool} missing (apt-get install -y openssh-server iproute2 util-linux)")
+        if _systemctl_replacement() is None:
+            raise TestHostsUnavailable("docker-systemctl-replacement missing (pip install docker-systemctl-replacement)")
+
+    def start(self) -> TestHosts:
+        self.check()
+        self.stop(quiet=True)  # leftovers of a crashed run
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.base.chmod(0o755)
+        if not self.key.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "bpdkv-testhosts", "-f", str(self.key)])
+        (self.base / "init.py").write_text(INIT)
+        (self.base / "host-setup.sh").write_text(HOST_SETUP)
+        replacement = _systemctl_replacement()
+        assert replacement is not None
+        for name, src in (("systemctl", replacement), ("journalctl", replacement.with_name("journalctl3.py"))):
+            text = src.read_text().split("\n", 1)[1] if src.exists() else "import sys\nsys.exit(0)\n"
+            (self.base / name).write_text("#!/usr/bin/python3\n" + text)
+            (self.base / name).chmod(0o755)
+        self.known_hosts.write_text("")
+        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{NET}.1/24", "dev", BRIDGE])
+        _run(["ip", "link", "set", BRIDGE, "up"])
+        _run(["ip", "route", "add", "unreachable", f"{NET}.0/24", "metric", "4000"])
+        for i in range(1, self.count + 1):
+            self.hosts.append(self._start_host(i))
+        for host in self.hosts:
+            self._wait_sshd(host)
+        return self
+
+    def _start_host(self, i: int) -> TestHost:
+        name = f"host{i}"
+        host = TestHost(name, f"{NET}.{10 + i}", self.base / name)
+        if host.dir.exists():
+            shutil.rmtree(host.dir)
+        for d in PER_HOST_DIRS:
+            (host.fs / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        host.dir.chmod(0o755)
+        auth = host.dir / "authorized_keys"
+        auth.write_text(Path(str(self.key) + ".pub").read_text())
+        auth.chmod(0o600)
+        hostkey = host.dir / "ssh_host_ed25519_key"
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(hostkey)])
+        (host.dir / "sshd_config").write_text(
+            "\n".join(
+                [
+                    "ListenAddress 0.0.0.0:22",
+                    f"HostKey {hostkey}",
+                    "PidFile /run/sshd.pid",
+                    f"AuthorizedKeysFile {auth}",
+                    "PubkeyAuthentication yes",
+                    "AuthenticationMethods publickey",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "PermitRootLogin prohibit-password",
+                    "UsePAM no",
+                    "StrictModes yes",
+                    "MaxStartups 100:30:200",
+                    "MaxSessions 100",
+                    "Subsystem sftp /usr/lib/openssh/sftp-server",
+                ]
+            )
+            + "\n"
+        )
+        with self.known_hosts.open("a") as fh:
+            fh.write(f"{host.address} {' '.join(Path(str(hostkey) + '.pub').read_text().split()[:2])}\n")
+        veth = f"bpdkv-h{i}"
+        _run(["ip", "netns", "add", name])
+        _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p"])
+        _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
+        _run(["ip", "link", "set", f"{veth}p", "netns", name])
+        _run(["ip", "-n", name, "link", "set", f"{veth}p", "name", "eth0"])
+        _run(["ip", "-n", name, "addr", "add", f"{host.address}/24", "dev", "eth0"])
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        _run(["ip", "-n", name, "link", "set", "eth0", "up"])
+        log = open(host.dir / "host.log", "wb")  # noqa: SIM115 - handed to the child process
+        proc = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "unshare",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--uts",
+                "--ipc",
+                "--propagation",
+                "private",
+                "sh",
+                str(self.base / "host-setup.sh"),
+                str(host.dir),
+                *PER_HOST_DIRS,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=dict(os.environ, BPDKV_LAB=str(self.base)),
+        )
+        host.pid = proc.pid
+        return host
+
+    def _wait_sshd(self, host: TestHost, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = subprocess.run(["ip", "netns", "exec", host.name, "ss", "-Hltn", "sport = :22"], capture_output=True, text=True)
+            if "LISTEN" in out.stdout:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"sshd on {host.name} did not start: {(host.dir / 'host.log').read_text()[-500:]}")
+
+    def kill_host(self, host: TestHost) -> None:
+        """Take one host down (all its processes), keeping its files: it becomes unreachable."""
+        _kill_netns(host.name)
+        subprocess.run(["ip", "netns", "del", host.name], capture_output=True)
+
+    def restart_host(self, host: TestHost) -> None:
+        i = int(host.name.removeprefix("host"))
+        subprocess.run(["ip", "link", "del", f"bpdkv-h{i}"], capture_output=True)
+        veth = f"bpdkv-h{i}"
+        _run(["ip", "netns", "add", host.name])
+        _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p"])
+        _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
+        _run(["ip", "link", "set", f"{veth}p", "netns", host.name])
+        _run(["ip", "-n", host.name, "link", "set", f"{veth}p", "name", "eth0"])
+        _run(["ip", "-n", host.name, "addr", "add", f"{host.address}/24", "dev", "eth0"])
+        _run(["ip", "-n", host.name, "link", "set", "lo", "up"])
+        _run(["ip", "-n", host.name, "link", "set", "eth0", "up"])
+        log = open(host.dir / "host.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                host.name,
+                "unshare",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--uts",
+                "--ipc",
+                "--propagation",
+                "private",
+                "sh",
+                str(self.base / "host-setup.sh"),
+                str(host.dir),
+                *PER_HOST_DIRS,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=dict(os.environ, BPDKV_LAB=str(self.base)),
+        )
+        host.pid = proc.pid
+        self._wait_sshd(host)
+
+    def exec(self, host: TestHost, command: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        """Run a command inside the host's namespaces (for test assertions), without SSH."""
+        if host.pid is None:
+            raise RuntimeError(f"{host.name} is not running")
+        children = subprocess.run(["pgrep", "-P", str(host.pid)], capture_output=True, text=True).stdout.split()
+        target = children[0] if children else str(host.pid)
+        return subprocess.run(["nsenter", "-t", target, "-a", "sh", "-c", command], capture_output=True, text=True, timeout=timeout)
+
+    def stop(self, quiet: bool = False) -> None:
+        names = [h.name for h in self.hosts] or [f"host{i}" for i in range(1, self.count + 9)]
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        for name in names:
+            if any(line.split()[0] == name for line in listed.splitlines() if line.strip()):
+                _kill_netns(name)
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        for i in range(1, max(self.count, len(self.hosts)) + 9):
+            subprocess.run(["ip", "link", "del", f"bpdkv-h{i}"], capture_output=True)
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+        subprocess.run(["ip", "route", "del", "unreachable", f"{NET}.0/24", "metric", "4000"], capture_output=True)
+        self.hosts = []
+
+    def __enter__(self) -> TestHosts:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _kill_netns(name: str) -> None:
+    for sig in ("-TERM", "-KILL"):
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        if not pids:
+            return
+        subprocess.run(["kill", sig, *pids], capture_output=True)
+        for _ in range(40):
+            if not subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+                return
+            time.sleep(0.05)
+
+
+def _systemctl_replacement() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("systemctl2")  # a namespace package: no __file__
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / "systemctl3.py"
+        if path.exists():
+            return path
+    return None
+
+
+def _run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip()}")
+
+
+if __name__ == "__main__":  # manual use: python -m bpdkv.testing.testhosts up|down
+    lab = TestHosts()
+    if sys.argv[1:] == ["down"]:
+        lab.stop()
+    else:
+        lab.start()
+        print(f"hosts: {[(h.name, h.address) for h in lab.hosts]}; key {lab.key}; known_hosts {lab.known_hosts}")
