@@ -102,12 +102,15 @@ class Executor:
 
     # ---- phases ----------------------------------------------------------------------------------------------
     def write_files(self, hp: HostPlan) -> None:
+        """Three round trips per host whatever the file count: back up + make folders, upload temps, rename all."""
         conn = self.conns[hp.host]
         opts = self.options.ssh
         changed = [f for f in hp.files if f.action != "none"]
         backup = f"{BACKUP_DIR}/{self.plan.generation}"
         self.backups[hp.host] = backup
-        # Previous versions first, so a failed gate can put them back; then temp + rename per file.
+        contents = {a.path: a for a in self.artifacts if a.host == hp.host}
+        writes = [f for f in changed if f.action != "delete"]
+        # Previous versions first, so a failed gate can put them back.
         script = [f"mkdir -p {shlex.quote(backup)}"]
         for f in changed:
             q = shlex.quote(f.path)
@@ -115,22 +118,37 @@ class Executor:
                 f"if [ -e {q} ]; then mkdir -p {shlex.quote(backup + f.path.rsplit('/', 1)[0])} && cp -p {q} {shlex.quote(backup + f.path)}; "
                 f"else echo {q} >> {shlex.quote(backup + '/.created')}; fi"
             )
-        if changed:
-            run(conn, hp.host, "; ".join(script), opts)
-        contents = {a.path: a for a in self.artifacts if a.host == hp.host}
+        parents = sorted(
+            {f.path.rsplit("/", 1)[0] or "/" for f in writes} | {f"{STATE_DIR}/{u.instance}" for u in hp.units if u.action != "stop"}
+        )
+        if parents:
+            script.append("mkdir -p " + " ".join(shlex.quote(d) for d in parents))
+        run(conn, hp.host, " && ".join(["true"] + [f"{{ {line}; }}" for line in script]), opts)
+        for f in writes:
+            art = contents[f.path]
+            try:
+                conn.put(io.BytesIO(art.content.encode()), remote=f.path + TMP_SUFFIX)
+            except Exception as exc:  # noqa: BLE001 - paramiko/sftp raise many kinds; one line about this host
+                raise RemoteError(hp.host, f"upload of {f.path} failed: {exc}") from None
+        # Renames are atomic per file: a target is always the old or the new version, never a partial one.
+        final = []
         for f in changed:
+            q = shlex.quote(f.path)
             if f.action == "delete":
-                run(conn, hp.host, f"rm -f {shlex.quote(f.path)}", opts)
+                final.append(f"rm -f {q}")
             else:
-                art = contents[f.path]
-                _put_atomic(conn, hp.host, f.path, art.content, art.mode, opts)
+                tmp = shlex.quote(f.path + TMP_SUFFIX)
+                final.append(f"chmod {contents[f.path].mode:o} {tmp} && mv -f {tmp} {q}")
+        if final:
+            run(conn, hp.host, " && ".join(final), opts)
+        for f in changed:
             self.outcomes[hp.host].files_written += 1
             self.progress(hp.host, f"{f.symbol} {f.path}")
-        dirs = " ".join(shlex.quote(f"{STATE_DIR}/{u.instance}") for u in hp.units if u.action != "stop")
-        if dirs:
-            run(conn, hp.host, f"mkdir -p {dirs}", opts)
+        units = [u.unit for u in hp.units if u.action in ("start", "restart")]
         if hp.daemon_reload:
-            run(conn, hp.host, "systemctl daemon-reload", opts, check=False)
+            run(conn, hp.host, "systemctl daemon-reload >/dev/null 2>&1", opts, check=False)
+        if units:
+            run(conn, hp.host, "systemctl enable " + " ".join(shlex.quote(u) for u in units) + " >/dev/null 2>&1", opts, check=False)
 
     def stop_units(self, hp: HostPlan) -> None:
         for u in hp.units:
@@ -148,13 +166,7 @@ class Executor:
         """Start/restart one unit and gate on health; return the failure text, or None."""
         conn = self.conns[hp.host]
         verb = "restart" if u.action == "restart" else "start"
-        code, out, err = run(
-            conn,
-            hp.host,
-            f"systemctl enable {shlex.quote(u.unit)} >/dev/null 2>&1; systemctl {verb} {shlex.quote(u.unit)}",
-            self.options.ssh,
-            check=False,
-        )
+        code, out, err = run(conn, hp.host, f"systemctl {verb} {shlex.quote(u.unit)}", self.options.ssh, check=False)
         if code != 0:
             return f"systemctl {verb} exited {code}: {(err or out).strip()[-300:]}"
         self.progress(hp.host, f"{verb}ed {u.unit}; waiting for health")

@@ -97,13 +97,9 @@ def connect(node: Node, options: SshOptions) -> Connection:
     return conn
 
 
-def run(
-    conn: Connection, node: str, command: str, options: SshOptions, check: bool = True, stdin: str | None = None
-) -> tuple[int, str, str]:
+def run(conn: Connection, node: str, command: str, options: SshOptions, check: bool = True) -> tuple[int, str, str]:
     try:
-        result = conn.run(
-            command, hide=True, warn=True, in_stream=False if stdin is None else _StdIn(stdin), timeout=options.command_timeout
-        )
+        result = conn.run(command, hide=True, warn=True, in_stream=False, timeout=options.command_timeout)
     except Exception as exc:  # noqa: BLE001 - invoke raises many types; every one becomes one line about this host
         name = type(exc).__name__
         raise RemoteError(node, f"command failed ({name}): {str(exc).splitlines()[0] if str(exc) else name}") from None
@@ -116,25 +112,10 @@ def run(
     return result.exited, result.stdout, result.stderr
 
 
-class _StdIn:
-    """A file-like stdin for invoke (it reads with read(n))."""
-
-    def __init__(self, text: str) -> None:
-        self._data = text.encode()
-        self._pos = 0
-
-    def read(self, n: int = -1) -> str:
-        if self._pos >= len(self._data):
-            return ""
-        chunk = self._data[self._pos : self._pos + (n if n > 0 else len(self._data))]
-        self._pos += len(chunk)
-        return chunk.decode(errors="replace")
-
-
 # One round trip, read-only: manifest, hashes + contents of every path we may manage, unit states, hardware.
 FACTS_SCRIPT = r"""
 import base64, hashlib, json, os, subprocess, sys
-req = json.loads(sys.stdin.read())
+req = json.loads(base64.b64decode(sys.argv[1]))
 def read(path):
     try:
         with open(path, "rb") as fh:
@@ -158,13 +139,15 @@ for path in sorted(paths):
     else:
         out["files"][path] = {"sha256": hashlib.sha256(data).hexdigest(), "mode": os.stat(path).st_mode & 0o7777,
                               "content": base64.b64encode(data).decode() if len(data) < 262144 else None}
-units = set(req["units"]) | set((out["manifest"] or {}).get("units", []))
-for unit in sorted(units):
+units = sorted(set(req["units"]) | set((out["manifest"] or {}).get("units", [])))
+if units:
+    # One systemctl call for all units: each call costs a process start (over a second with some managers).
     try:
-        state = subprocess.run(["systemctl", "is-active", unit], capture_output=True, text=True, timeout=30).stdout.strip()
-    except Exception as exc:
-        state = "unknown"
-    out["units"][unit] = state or "unknown"
+        lines = subprocess.run(["systemctl", "is-active", *units], capture_output=True, text=True, timeout=60).stdout.split()
+    except Exception:
+        lines = []
+    for i, unit in enumerate(units):
+        out["units"][unit] = lines[i] if i < len(lines) else "unknown"
 def cmd(argv):
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=20)
@@ -221,10 +204,11 @@ class HostFacts:
 
 
 def gather_facts(conn: Connection, node: str, paths: list[str], units: list[str], venv: str, options: SshOptions) -> HostFacts:
-    request = json.dumps({"manifest": MANIFEST_PATH, "paths": paths, "units": units, "venv": venv})
+    # Script and request travel as base64 arguments: no stdin (invoke never closes it, the read would wait out a timeout).
+    request = base64.b64encode(json.dumps({"manifest": MANIFEST_PATH, "paths": paths, "units": units, "venv": venv}).encode()).decode()
     script = base64.b64encode(FACTS_SCRIPT.encode()).decode()
-    command = f"python3 -c \"import base64;exec(base64.b64decode('{script}'))\""
-    _, out, _ = run(conn, node, command, options, stdin=request)
+    command = f"python3 -c \"import base64,sys;exec(base64.b64decode('{script}'))\" {request}"
+    _, out, _ = run(conn, node, command, options)
     try:
         data = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):

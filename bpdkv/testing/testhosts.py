@@ -159,6 +159,8 @@ class TestHosts:
         _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
         _run(["ip", "link", "set", f"{veth}p", "netns", name])
         _run(["ip", "-n", name, "link", "set", f"{veth}p", "name", "eth0"])
+        # A fixed MAC per host: after a host restart the machine's ARP cache is still right.
+        _run(["ip", "-n", name, "link", "set", "eth0", "address", f"02:62:70:64:00:{i:02x}"])
         _run(["ip", "-n", name, "addr", "add", f"{host.address}/24", "dev", "eth0"])
         _run(["ip", "-n", name, "link", "set", "lo", "up"])
         _run(["ip", "-n", name, "link", "set", "eth0", "up"])
@@ -215,6 +217,7 @@ class TestHosts:
         _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
         _run(["ip", "link", "set", f"{veth}p", "netns", host.name])
         _run(["ip", "-n", host.name, "link", "set", f"{veth}p", "name", "eth0"])
+        _run(["ip", "-n", host.name, "link", "set", "eth0", "address", f"02:62:70:64:00:{i:02x}"])
         _run(["ip", "-n", host.name, "addr", "add", f"{host.address}/24", "dev", "eth0"])
         _run(["ip", "-n", host.name, "link", "set", "lo", "up"])
         _run(["ip", "-n", host.name, "link", "set", "eth0", "up"])
@@ -246,6 +249,7 @@ class TestHosts:
             env=dict(os.environ, BPDKV_LAB=str(self.base)),
         )
         host.pid = proc.pid
+        subprocess.run(["ip", "neigh", "flush", "to", host.address], capture_output=True)
         self._wait_sshd(host)
 
     def exec(self, host: TestHost, command: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,91 @@
+"""Plan and apply wall time for 1, 3 and 8 real SSH test hosts, serial vs parallel. Root only. Prints JSON.
+
+    python benchmarks/plan_apply.py [--hosts 1 3 8]
+
+Hosts are network namespaces with real sshd and docker-systemctl-replacement (bpdkv.testing.testhosts); the
+instances run tests/hosts/fake_vllm.py (a real HTTP server with /health and /v1/models) in place of vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bpdkv.testing.testhosts import TestHosts  # noqa: E402
+from tests.hosts.conftest import topology_doc, wipe, write_topology  # noqa: E402
+
+
+def doc_for(lab: TestHosts, n: int) -> dict[str, Any]:
+    doc = topology_doc(lab)
+    nodes = []
+    for i in range(n):
+        role = "prefill" if i % 2 == 0 else "decode"
+        if n == 1:
+            instances = [{"role": "prefill", "port": 8100}, {"role": "decode", "port": 8200}, {"role": "router", "port": 8000}]
+        else:
+            instances = [{"role": role, "port": 8100 if role == "prefill" else 8200}]
+            if i == n - 1:
+                instances.append({"role": "router", "port": 8000})
+        nodes.append({"name": f"host{i + 1}", "host": f"10.213.0.{11 + i}", "hardware": "cpu", "instances": instances})
+    if n == 1:
+        nodes[0]["data_plane_address"] = "10.213.0.11"
+    doc["nodes"] = nodes
+    return doc
+
+
+def timed(argv: list[str]) -> tuple[float, int]:
+    start = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    return time.perf_counter() - start, proc.returncode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", type=int, nargs="+", default=[1, 3, 8])
+    args = ap.parse_args()
+    lab = TestHosts(max(args.hosts))
+    results = []
+    with lab, tempfile.TemporaryDirectory() as tmp:
+        for n in args.hosts:
+            topo = write_topology(Path(tmp) / f"t{n}.yaml", doc_for(lab, n))
+            for mode, flags in (
+                ("serial", ["--parallel", "1", "--max-unavailable", "1"]),
+                ("parallel", ["--parallel", "16", "--max-unavailable", "16"]),
+            ):
+                wipe(lab)
+                plan_s, plan_rc = timed(["bpdkv", "plan", str(topo), "--no-diff", *flags[:2]])
+                apply_s, apply_rc = timed(["bpdkv", "apply", str(topo), "-y", *flags])
+                noop_s, noop_rc = timed(["bpdkv", "plan", str(topo), "--no-diff", *flags[:2]])
+                row = {
+                    "hosts": n,
+                    "mode": mode,
+                    "plan_s": round(plan_s, 3),
+                    "apply_s": round(apply_s, 3),
+                    "converged_plan_s": round(noop_s, 3),
+                    "rc": [plan_rc, apply_rc, noop_rc],
+                }
+                results.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+        wipe(lab)
+    one = {r["mode"]: r["apply_s"] for r in results if r["hosts"] == min(args.hosts)}
+    out = {"benchmark": "plan_apply", "runs": results}
+    big = [r for r in results if r["hosts"] == max(args.hosts) and r["mode"] == "parallel"]
+    if big and "parallel" in one:
+        out["apply_largest_vs_one_host_parallel"] = round(big[0]["apply_s"] / one["parallel"], 2)
+    three = [r for r in results if r["hosts"] == 3]
+    if three:
+        out["plan_3_hosts_s"] = min(r["plan_s"] for r in three)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
