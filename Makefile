@@ -10,6 +10,7 @@ demo: setup
 	bpdkv validate examples/p5en-qwen3-32b.yaml
 	bpdkv render examples/p5en-qwen3-32b.yaml --out out/p5en-qwen3-32b
 	@echo "rendered files: out/p5en-qwen3-32b/<host>/..."
+	bpdkv plan examples/p5en-qwen3-32b.yaml --offline --no-diff || [ $$? -eq 2 ]  # exit 2 = changes (all create)
 
 lint:
 	ruff check bpdkv tests benchmarks

@@ -60,9 +60,12 @@ def _put_atomic(conn: Connection, node: str, art_path: str, content: str, mode: 
     run(conn, node, f"chmod {mode:o} {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(art_path)}", options)
 
 
-def health_gate(address: str, port: int, timeout: float, probe_interval: float = 0.5) -> str | None:
-    """None when /health and then /v1/models answer 200 within timeout; else what was last seen."""
+def health_gate(address: str, port: int, timeout: float, probe_interval: float = 1.0) -> str | None:
+    """None when /health and then /v1/models answer 200 within timeout; else what was last seen.
+
+    Probes start at 50 ms apart and back off to probe_interval: small services pass quickly, big models are not hammered."""
     deadline = time.monotonic() + timeout
+    delay = 0.05
     last = "no answer"
     for path in ("/health", "/v1/models"):
         while True:
@@ -77,7 +80,8 @@ def health_gate(address: str, port: int, timeout: float, probe_interval: float =
                 last = f"{path}: {getattr(exc, 'reason', exc)}"
             if time.monotonic() >= deadline:
                 return last
-            time.sleep(probe_interval)
+            time.sleep(delay)
+            delay = min(delay * 2, probe_interval)
     return None
 
 
