@@ -115,8 +115,8 @@ class Router:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.store = store or sessions.make_store(config.state)
         self.clock = clock
+        self.store = store or sessions.make_store(config.state, clock)
         self.metrics = RouterMetrics()
         self.api_keys = {hashlib.sha256(k.encode()).hexdigest(): k for k in load_api_keys(config.api_keys_file)}
         h = config.health

@@ -250,7 +250,7 @@ class RedisStore:
             pass
 
 
-def make_store(state: str) -> SessionStore:
+def make_store(state: str, clock: Callable[[], float] = time.time) -> SessionStore:
     if state == "memory":
-        return MemoryStore()
+        return MemoryStore(clock=clock)  # expiry must be judged on the router's own clock
     return RedisStore(state)
