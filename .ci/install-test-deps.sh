@@ -18,7 +18,10 @@ if [ -n "$missing" ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     # policy-rc.d keeps the packages from starting their daemons: the tests start what they need themselves.
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    made_policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1
+    fi
     apt-get install -y -qq --no-install-recommends $missing >/dev/null
-    rm -f /usr/sbin/policy-rc.d
+    [ -z "$made_policy" ] || rm -f /usr/sbin/policy-rc.d
 fi
