@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -451,21 +452,30 @@ class Router:
         mode = self.config.session_identity
         session_id = header_id if mode == "header" else field_id if mode == "field" else (header_id or field_id)
         ident, affinity, scope = self.identity(route, tenant, body, session_id)
+        if request.headers.get(protocol.REUSE_HEADER, "").lower() == "off":
+            ident = None  # benchmark A/B on one fleet: neither look up nor store
         d_params, outcome = await self.lookup(route, ident, body, scope)
         self.metrics.reuse.labels(outcome).inc()
         headers = self._upstream_headers(request)
 
-        p_params = await self._race_disconnect(request, self._prefill(route, body, d_params, affinity, headers))
+        salt = uuid.uuid4().hex if request.headers.get(protocol.P_CACHE_HEADER, "").lower() == "off" else None
+        p_params = await self._race_disconnect(request, self._prefill(route, body, d_params, affinity, headers, salt))
         if isinstance(p_params, Response):
             return p_params
         stream = bool(body.get("stream"))
-        reuse_ctx = (route, scope, body, session_id)
+        reuse_ctx = (route, scope, body, session_id if ident is not None else None, ident is not None)
         if stream:
             return await self._decode_stream(request, route, body, p_params, headers, start, reuse_ctx)
         return await self._race_disconnect(request, self._decode_whole(route, body, p_params, headers, start, reuse_ctx))
 
     async def _prefill(
-        self, route: str, body: dict[str, Any], d_params: dict[str, Any] | None, affinity: bytes | None, headers: dict[str, str]
+        self,
+        route: str,
+        body: dict[str, Any],
+        d_params: dict[str, Any] | None,
+        affinity: bytes | None,
+        headers: dict[str, str],
+        salt: str | None = None,
     ) -> dict[str, Any] | None | Response:
         assert self.client is not None
         tried: set[str] = set()
@@ -480,7 +490,7 @@ class Router:
             t0 = time.perf_counter()
             member.outstanding += 1
             try:
-                resp = await self._call(member.url + route, protocol.p_request(body, d_params), headers, self.config.timeouts.prefill)
+                resp = await self._call(member.url + route, protocol.p_request(body, d_params, salt), headers, self.config.timeouts.prefill)
             except UPSTREAM_ERRORS as exc:
                 self.prefill.failure(member, type(exc).__name__)
                 self.metrics.upstream_errors.labels("prefill", member.name, type(exc).__name__).inc()
@@ -536,8 +546,8 @@ class Router:
     async def _after_decode(
         self, ctx: tuple[Any, ...], reply: dict[str, Any] | None, finish: str | None, params: Any, member: Upstream
     ) -> None:
-        route, scope, body, session_id = ctx
-        if not self.config.reuse:
+        route, scope, body, session_id, eligible = ctx
+        if not self.config.reuse or not eligible:
             return
         if params is None:
             if finish in REUSABLE_FINISH:

@@ -21,11 +21,16 @@ P_TEMPLATE: dict[str, Any] = {
 # Client fields that select a session explicitly; never forwarded to vLLM.
 SESSION_FIELDS = ("session_id", "conversation_id")
 SESSION_HEADER = "x-session-id"
+# Benchmark switches, per request: skip reuse (no lookup, no store), or give P a fresh cache_salt (emulates eviction on P).
+REUSE_HEADER = "x-bpdkv-reuse"  # "off"
+P_CACHE_HEADER = "x-bpdkv-prefill-cache"  # "off"
 
 
-def p_request(body: dict[str, Any], d_params: dict[str, Any] | None) -> dict[str, Any]:
+def p_request(body: dict[str, Any], d_params: dict[str, Any] | None, fresh_salt: str | None = None) -> dict[str, Any]:
     """The prefill request: same prompt, one token, no stream, and where to pull history from (if any)."""
     req = dict(body)
+    if fresh_salt:
+        req["cache_salt"] = fresh_salt
     req["max_tokens"] = 1
     if "max_completion_tokens" in req:
         req["max_completion_tokens"] = 1

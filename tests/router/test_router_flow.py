@@ -268,3 +268,14 @@ def test_client_disconnect_cancels_upstream(fleet_factory) -> None:  # type: ign
     assert fleet.metric("bpdkv_router_in_flight") == 0
     assert fleet.metric("bpdkv_router_backend_outstanding") == 0
     assert fleet.metric("bpdkv_router_requests_total", status="499") == 1
+
+
+def test_benchmark_switches_reuse_off_and_fresh_prefill_salt(fleet_factory) -> None:  # type: ignore[no-untyped-def]
+    fleet = fleet_factory()
+    off = {"X-Bpdkv-Reuse": "off", "X-Bpdkv-Prefill-Cache": "off"}
+    conversation(fleet.url, turns=3, headers=off)
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 0
+    assert fleet.metric("bpdkv_router_sessions_stored_total") == 0
+    salts = [r.get("cache_salt") for r in fleet.prefill[0].requests]
+    assert all(salts) and len(set(salts)) == 3  # a fresh salt per P request
+    assert all("cache_salt" not in r for r in fleet.decode[0].requests)  # D keeps its cache
