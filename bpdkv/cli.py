@@ -436,6 +436,136 @@ def destroy(topology: str, yes: bool, accept_new_host_keys: bool, command_timeou
     sys.exit(1 if bad else 0)
 
 
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.argument("target")
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--conversations", default=8, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--turns", default=6, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--system-tokens", default=200, show_default=True, type=click.IntRange(0))
+@click.option("--start-history", "start_history", default=0, show_default=True, type=click.IntRange(0), help="Extra tokens in turn 1.")
+@click.option("--new-tokens", default=150, show_default=True, type=click.IntRange(1))
+@click.option("--output-tokens", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--think-time", default=0.0, show_default=True, type=float)
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 10000))
+@click.option("--mode", "workload_mode", type=click.Choice(["tokens", "chat"]), default="tokens", show_default=True)
+@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--model", default=None, help="Model name to send (default: the router's).")
+@click.option("--reuse", "reuse_modes", type=click.Choice(["on", "off", "both"]), default="both", show_default=True)
+@click.option(
+    "--prefill-cache",
+    "p_cache_modes",
+    type=click.Choice(["on", "off", "both"]),
+    default="on",
+    show_default=True,
+    help="off: a fresh cache_salt per P request (emulates eviction on P).",
+)
+@click.option("--metrics", "metrics_urls", multiple=True, help="P/D server URLs whose /metrics to diff (default: from a topology TARGET).")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot (TTFT by turn/history).")
+@user_errors
+def bench(
+    target: str,
+    files: tuple[Path, ...],
+    conversations: int,
+    turns: int,
+    system_tokens: int,
+    start_history: int,
+    new_tokens: int,
+    output_tokens: int,
+    think_time: float,
+    concurrency: int,
+    workload_mode: str,
+    stream: bool,
+    seed: int,
+    model: str | None,
+    reuse_modes: str,
+    p_cache_modes: str,
+    metrics_urls: tuple[str, ...],
+    out_file: Path | None,
+    plot_file: Path | None,
+) -> None:
+    """Multi-turn benchmark through a router: `bpdkv bench URL|TOPOLOGY [...]`, or `bpdkv bench compare A.json B.json`."""
+    import asyncio
+
+    from rich.progress import Progress
+
+    from bpdkv.bench import report
+    from bpdkv.bench.runner import run_workload
+    from bpdkv.bench.workload import WorkloadSpec
+    from bpdkv.errors import UsageError
+
+    if target == "compare":
+        if len(files) != 2:
+            raise UsageError("usage: bpdkv bench compare A.json B.json")
+        a, b = (report.load(f) for f in files)
+        pairs = [(x, y) for x in a["runs"] for y in b["runs"] if x["label"] == y["label"]] or [(a["runs"][0], b["runs"][0])]
+        click.echo(json.dumps([report.compare(x, y) for x, y in pairs], indent=2))
+        return
+    url = target
+    metrics = list(metrics_urls)
+    if not target.startswith(("http://", "https://")):
+        validated = _load(target)
+        topo = validated.topology
+        routers = topo.instances("router")
+        if not routers:
+            raise UsageError(f"{target}: no router instance")
+        node, inst = routers[0]
+        url = f"http://{node.host}:{inst.port}"
+        metrics = metrics or [f"http://{n.data_plane_address}:{i.port}" for n, i in topo.instances() if i.role != "router"]
+    spec = WorkloadSpec(
+        conversations,
+        turns,
+        system_tokens,
+        start_history,
+        new_tokens,
+        output_tokens,
+        think_time,
+        concurrency,
+        workload_mode,
+        stream,
+        seed,
+        model=model,
+    )
+    combos = [
+        (r, c)
+        for r in (["on", "off"] if reuse_modes == "both" else [reuse_modes])
+        for c in (["on", "off"] if p_cache_modes == "both" else [p_cache_modes])
+    ]
+    summaries = []
+    with Progress(transient=True) as bar:
+        for reuse, p_cache in combos:
+            label = f"reuse-{reuse}/prefill-cache-{p_cache}"
+            task = bar.add_task(label, total=conversations * turns)
+            headers: dict[str, str] = {}
+            if reuse == "off":
+                headers["X-Bpdkv-Reuse"] = "off"
+            if p_cache == "off":
+                headers["X-Bpdkv-Prefill-Cache"] = "off"
+
+            def advance(n: int, task_id: Any = task) -> None:
+                bar.advance(task_id, n)
+
+            result = asyncio.run(run_workload(url, spec, label, headers, metrics, progress=advance))
+            summaries.append(report.summarize(result))
+    for summary in summaries:
+        click.echo(report.table(summary))
+    for p_cache in ("on", "off"):
+        on = next((s for s in summaries if s["label"] == f"reuse-on/prefill-cache-{p_cache}"), None)
+        off = next((s for s in summaries if s["label"] == f"reuse-off/prefill-cache-{p_cache}"), None)
+        if on and off:
+            ratio = report.compare(off, on)
+            click.echo(
+                f"prefill cache {p_cache}: TTFT median reuse on/off = {ratio['ttft_median_ratio']}, turns >= 2: {ratio['ttft_turns_ge_2_median_ratio']}"
+            )
+    if out_file:
+        out_file.write_text(json.dumps({"target": url, "runs": summaries}, indent=2) + "\n")
+    if plot_file:
+        report.plot(summaries, plot_file)
+    if any(s["errors"] for s in summaries):
+        sys.exit(1)
+
+
 @main.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help="Router config written by `bpdkv render`.")
 @click.option("--prefill", "prefill", multiple=True, help="Prefill URL (repeatable); instead of --config.")
