@@ -152,4 +152,6 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> Any:
+        if base_prom_metrics() is None:  # a vLLM without NIXL Prometheus metrics: keep whatever it does
+            return super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         return _prom_metrics_class()(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,40 @@
+#!/bin/bash
+# GPU benchmark on the lent 2×H200 machine. Call 1..3 stage vLLM (shared/notes/gpu.md); this script is call 4+:
+#   bash benchmarks/gpu/run-h200.sh start            # install nixl + bpdkv (chunks 4, 5), render, start P, D, router
+#   bash benchmarks/gpu/run-h200.sh bench NAME ARGS  # one `bpdkv bench` sweep into $OUT/NAME.json
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+PY=$(command -v python3)
+export PYTHONPATH=/tmp/site
+cmd=$1; shift
+if [ "$cmd" = start ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-stage/4/*.whl .gpu-stage/5/*.whl
+  mkdir -p /tmp/gpuvenv/bin /tmp/qwen3-8b
+  ln -sf "$PY" /tmp/gpuvenv/bin/python
+  cat > /tmp/qwen3-8b/config.json <<'JSON'
+{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+ "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+ "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "torch_dtype": "bfloat16",
+ "tie_word_embeddings": false, "hidden_act": "silu", "attention_bias": false, "bos_token_id": 151643, "eos_token_id": 151645}
+JSON
+  python3 -m bpdkv.cli render benchmarks/gpu/h200x2-qwen3-8b-dummy.yaml --out /tmp/render
+  R=/tmp/render/gpu-box
+  for inst in prefill-0 decode-0; do
+    sed "s#^\. /etc/bpdkv/#. $R/etc/bpdkv/#" "$R/opt/bpdkv/bin/$inst.sh" > /tmp/$inst.sh
+    setsid timeout 3000 bash /tmp/$inst.sh > /tmp/$inst.log 2>&1 < /dev/null &
+  done
+  for i in $(seq 1 150); do
+    if curl -sf localhost:8100/health >/dev/null && curl -sf localhost:8200/health >/dev/null; then echo "P and D healthy after $((i*2)) s"; break; fi
+    sleep 2
+  done
+  setsid timeout 3000 python3 -m bpdkv.cli router --config "$R/etc/bpdkv/router-0.router.yaml" --log-level warning > /tmp/router.log 2>&1 < /dev/null &
+  sleep 3; curl -sf localhost:8000/ready; echo
+  grep -h "bpdkv\|Backend\|UCX\|cuda_ipc" /tmp/prefill-0.log | head -5 || true
+  mkdir -p "$OUT"; cp /tmp/render -r "$OUT/render"; tail -n 20 /tmp/prefill-0.log > "$OUT/prefill-start.log"; tail -n 20 /tmp/decode-0.log > "$OUT/decode-start.log"
+elif [ "$cmd" = bench ]; then
+  name=$1; shift
+  mkdir -p "$OUT"
+  python3 -m bpdkv.cli bench http://127.0.0.1:8000 --metrics http://127.0.0.1:8100 --metrics http://127.0.0.1:8200 --out "$OUT/$name.json" "$@" | tee "$OUT/$name.txt"
+  curl -s localhost:8100/metrics | grep -E "^vllm:(prompt_tokens_by_source|nixl_|bpdkv_)" > "$OUT/$name.prefill-metrics.txt" || true
+  tail -n 30 /tmp/prefill-0.log > "$OUT/$name.prefill.log"; tail -n 30 /tmp/decode-0.log > "$OUT/$name.decode.log"; tail -n 30 /tmp/router.log > "$OUT/$name.router.log"
+fi
