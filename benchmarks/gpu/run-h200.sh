@@ -10,7 +10,8 @@ cmd=$1; shift
 if [ "$cmd" = start ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-stage/4/*.whl .gpu-stage/5/*.whl
   mkdir -p /tmp/gpuvenv/bin /tmp/qwen3-8b
-  ln -sf "$PY" /tmp/gpuvenv/bin/python
+  # A wrapper, not a symlink: through a symlink Python would miss the real interpreter's venv (and its torch).
+  printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > /tmp/gpuvenv/bin/python && chmod +x /tmp/gpuvenv/bin/python
   cat > /tmp/qwen3-8b/config.json <<'JSON'
 {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
@@ -25,6 +26,7 @@ JSON
   done
   for i in $(seq 1 150); do
     if curl -sf localhost:8100/health >/dev/null && curl -sf localhost:8200/health >/dev/null; then echo "P and D healthy after $((i*2)) s"; break; fi
+    if grep -q "Traceback" /tmp/prefill-0.log /tmp/decode-0.log; then echo "a server failed:"; tail -n 30 /tmp/prefill-0.log /tmp/decode-0.log; exit 1; fi
     sleep 2
   done
   setsid timeout 3000 python3 -m bpdkv.cli router --config "$R/etc/bpdkv/router-0.router.yaml" --log-level warning > /tmp/router.log 2>&1 < /dev/null &
