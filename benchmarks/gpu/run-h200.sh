@@ -11,6 +11,7 @@ if [ "$cmd" = start ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-stage/4/*.whl .gpu-stage/5/*.whl
   mkdir -p /tmp/gpuvenv/bin /tmp/qwen3-8b
   # A wrapper, not a symlink: through a symlink Python would miss the real interpreter's venv (and its torch).
+  rm -f /tmp/gpuvenv/bin/python
   printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > /tmp/gpuvenv/bin/python && chmod +x /tmp/gpuvenv/bin/python
   cat > /tmp/qwen3-8b/config.json <<'JSON'
 {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
