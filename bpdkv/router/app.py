@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -478,32 +478,21 @@ class Router:
         salt: str | None = None,
     ) -> dict[str, Any] | None | Response:
         assert self.client is not None
-        tried: set[str] = set()
-        last = "no prefill upstream configured"
-        for attempt in range(len(self.prefill.members)):
-            member = self.prefill.pick(affinity, tried)
-            if member is None:
-                break
-            tried.add(member.name)
-            if attempt:
-                self.metrics.retries.labels("prefill").inc()
+        last = "no prefill upstream available"
+        for member in self._attempts(self.prefill, affinity):
             t0 = time.perf_counter()
             member.outstanding += 1
             try:
                 resp = await self._call(member.url + route, protocol.p_request(body, d_params, salt), headers, self.config.timeouts.prefill)
             except UPSTREAM_ERRORS as exc:
-                self.prefill.failure(member, type(exc).__name__)
-                self.metrics.upstream_errors.labels("prefill", member.name, type(exc).__name__).inc()
-                last = f"prefill {member.name}: {type(exc).__name__}"
+                last = self._failed(self.prefill, member, type(exc).__name__)
                 d_params = None  # the failed P may have started the pull; never hand D's blocks out twice
                 continue
             finally:
                 member.outstanding -= 1
             self.metrics.upstream.labels("prefill").observe(time.perf_counter() - t0)
             if resp.status >= 500:
-                self.prefill.failure(member, f"HTTP {resp.status}")
-                self.metrics.upstream_errors.labels("prefill", member.name, f"http_{resp.status}").inc()
-                last = f"prefill {member.name}: HTTP {resp.status}"
+                last = self._failed(self.prefill, member, f"http_{resp.status}")
                 d_params = None
                 continue
             if resp.status != 200:
@@ -514,7 +503,7 @@ class Router:
             except ValueError:
                 params = None
             return params if isinstance(params, dict) else None
-        return _error(502 if tried else 503, f"no prefill upstream succeeded ({last})", "upstream_error")
+        return _error(502, f"no prefill upstream succeeded ({last})", "upstream_error")
 
     async def _call(self, url: str, payload: Any, headers: dict[str, str], read_timeout: float, method: str = "POST") -> Buffered:
         assert self.client is not None
@@ -523,6 +512,24 @@ class Router:
         hdrs = dict(headers, **{"content-type": "application/json"}) if data is not None else headers
         async with self.client.request(method, url, data=data, headers=hdrs, timeout=timeout) as resp:
             return Buffered(resp.status, resp.headers.get("content-type", "application/json"), await resp.read())
+
+    def _failed(self, pool: Pool, member: Upstream, kind: str) -> str:
+        """Passive health + metrics for one failed upstream attempt; returns the text for the client's error."""
+        pool.failure(member, kind)
+        self.metrics.upstream_errors.labels(pool.role, member.name, kind).inc()
+        return f"{pool.role} {member.name}: {kind}"
+
+    def _attempts(self, pool: Pool, affinity: bytes | None) -> Iterator[Upstream]:
+        """Each upstream at most once, best first; retries counted."""
+        tried: set[str] = set()
+        for attempt in range(len(pool.members)):
+            member = pool.pick(affinity, tried)
+            if member is None:
+                return
+            tried.add(member.name)
+            if attempt:
+                self.metrics.retries.labels(pool.role).inc()
+            yield member
 
     def _passthrough_error(self, resp: Buffered) -> Response:
         content = resp.content
@@ -560,16 +567,9 @@ class Router:
         self, route: str, body: dict[str, Any], p_params: dict[str, Any] | None, headers: dict[str, str], start: float, ctx: tuple[Any, ...]
     ) -> Response:
         assert self.client is not None
-        tried: set[str] = set()
-        last = "no decode upstream configured"
+        last = "no decode upstream available"
         t = self.config.timeouts
-        for attempt in range(len(self.decode.members)):
-            member = self.decode.pick(None, tried)
-            if member is None:
-                break
-            tried.add(member.name)
-            if attempt:
-                self.metrics.retries.labels("decode").inc()
+        for member in self._attempts(self.decode, None):
             member.outstanding += 1
             t0 = time.perf_counter()
             try:
@@ -578,17 +578,13 @@ class Router:
                     member.url + route, protocol.d_request(body, p_params), headers, max(t.decode_first_byte, t.decode_idle)
                 )
             except UPSTREAM_ERRORS as exc:
-                self.decode.failure(member, type(exc).__name__)
-                self.metrics.upstream_errors.labels("decode", member.name, type(exc).__name__).inc()
-                last = f"decode {member.name}: {type(exc).__name__}"
+                last = self._failed(self.decode, member, type(exc).__name__)
                 continue
             finally:
                 member.outstanding -= 1
             self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
             if resp.status >= 500:
-                self.decode.failure(member, f"HTTP {resp.status}")
-                self.metrics.upstream_errors.labels("decode", member.name, f"http_{resp.status}").inc()
-                last = f"decode {member.name}: HTTP {resp.status}"
+                last = self._failed(self.decode, member, f"http_{resp.status}")
                 continue
             self.decode.success(member)
             if resp.status != 200:
@@ -602,7 +598,7 @@ class Router:
             await self._after_decode(ctx, reply, finish, params, member)
             self.metrics.ttft.observe(time.perf_counter() - start)
             return Response(json.dumps(data, ensure_ascii=False).encode(), status_code=200, media_type="application/json")
-        return _error(502 if tried else 503, f"no decode upstream succeeded ({last})", "upstream_error")
+        return _error(502, f"no decode upstream succeeded ({last})", "upstream_error")
 
     async def _decode_stream(
         self,
@@ -616,15 +612,8 @@ class Router:
     ) -> Response | SseStream:
         assert self.client is not None
         t = self.config.timeouts
-        tried: set[str] = set()
-        last = "no decode upstream configured"
-        for attempt in range(len(self.decode.members)):
-            member = self.decode.pick(None, tried)
-            if member is None:
-                break
-            tried.add(member.name)
-            if attempt:
-                self.metrics.retries.labels("decode").inc()
+        last = "no decode upstream available"
+        for member in self._attempts(self.decode, None):
             member.outstanding += 1
             t0 = time.perf_counter()
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.decode_idle)
@@ -660,16 +649,14 @@ class Router:
                 if resp is not None:
                     resp.close()
                 member.outstanding -= 1
-                self.decode.failure(member, kind)
-                self.metrics.upstream_errors.labels("decode", member.name, kind).inc()
-                last = f"decode {member.name}: {kind}"
+                last = self._failed(self.decode, member, kind)
                 continue
             self.decode.success(member)
             self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
             return SseStream(
                 self._relay(resp, chunks, first, member, route, start, ctx), resp.headers.get("content-type", "text/event-stream")
             )
-        return _error(502 if tried else 503, f"no decode upstream succeeded ({last})", "upstream_error")
+        return _error(502, f"no decode upstream succeeded ({last})", "upstream_error")
 
     async def _relay(
         self,

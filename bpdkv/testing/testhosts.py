@@ -153,45 +153,8 @@ class TestHosts:
         )
         with self.known_hosts.open("a") as fh:
             fh.write(f"{host.address} {' '.join(Path(str(hostkey) + '.pub').read_text().split()[:2])}\n")
-        veth = f"bpdkv-h{i}"
-        _run(["ip", "netns", "add", name])
-        _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p"])
-        _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
-        _run(["ip", "link", "set", f"{veth}p", "netns", name])
-        _run(["ip", "-n", name, "link", "set", f"{veth}p", "name", "eth0"])
-        # A fixed MAC per host: after a host restart the machine's ARP cache is still right.
-        _run(["ip", "-n", name, "link", "set", "eth0", "address", f"02:62:70:64:00:{i:02x}"])
-        _run(["ip", "-n", name, "addr", "add", f"{host.address}/24", "dev", "eth0"])
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-        _run(["ip", "-n", name, "link", "set", "eth0", "up"])
-        log = open(host.dir / "host.log", "wb")  # noqa: SIM115 - handed to the child process
-        proc = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                name,
-                "unshare",
-                "--mount",
-                "--pid",
-                "--fork",
-                "--mount-proc",
-                "--uts",
-                "--ipc",
-                "--propagation",
-                "private",
-                "sh",
-                str(self.base / "host-setup.sh"),
-                str(host.dir),
-                *PER_HOST_DIRS,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=dict(os.environ, BPDKV_LAB=str(self.base)),
-        )
-        host.pid = proc.pid
+        self._plumb(i, host)
+        self._launch(host, "wb")
         return host
 
     def _wait_sshd(self, host: TestHost, timeout: float = 15.0) -> None:
@@ -211,17 +174,27 @@ class TestHosts:
     def restart_host(self, host: TestHost) -> None:
         i = int(host.name.removeprefix("host"))
         subprocess.run(["ip", "link", "del", f"bpdkv-h{i}"], capture_output=True)
-        veth = f"bpdkv-h{i}"
-        _run(["ip", "netns", "add", host.name])
+        self._plumb(i, host)
+        self._launch(host, "ab")
+        subprocess.run(["ip", "neigh", "flush", "to", host.address], capture_output=True)
+        self._wait_sshd(host)
+
+    def _plumb(self, i: int, host: TestHost) -> None:
+        """Namespace + veth into the bridge; no default route inside, so nothing can leave the test subnet."""
+        veth, name = f"bpdkv-h{i}", host.name
+        _run(["ip", "netns", "add", name])
         _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p"])
         _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
-        _run(["ip", "link", "set", f"{veth}p", "netns", host.name])
-        _run(["ip", "-n", host.name, "link", "set", f"{veth}p", "name", "eth0"])
-        _run(["ip", "-n", host.name, "link", "set", "eth0", "address", f"02:62:70:64:00:{i:02x}"])
-        _run(["ip", "-n", host.name, "addr", "add", f"{host.address}/24", "dev", "eth0"])
-        _run(["ip", "-n", host.name, "link", "set", "lo", "up"])
-        _run(["ip", "-n", host.name, "link", "set", "eth0", "up"])
-        log = open(host.dir / "host.log", "ab")  # noqa: SIM115
+        _run(["ip", "link", "set", f"{veth}p", "netns", name])
+        _run(["ip", "-n", name, "link", "set", f"{veth}p", "name", "eth0"])
+        # A fixed MAC per host: after a host restart the machine's ARP cache is still right.
+        _run(["ip", "-n", name, "link", "set", "eth0", "address", f"02:62:70:64:00:{i:02x}"])
+        _run(["ip", "-n", name, "addr", "add", f"{host.address}/24", "dev", "eth0"])
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        _run(["ip", "-n", name, "link", "set", "eth0", "up"])
+
+    def _launch(self, host: TestHost, log_mode: str) -> None:
+        log = open(host.dir / "host.log", log_mode)  # noqa: SIM115 - handed to the child process
         proc = subprocess.Popen(
             [
                 "ip",
@@ -249,8 +222,6 @@ class TestHosts:
             env=dict(os.environ, BPDKV_LAB=str(self.base)),
         )
         host.pid = proc.pid
-        subprocess.run(["ip", "neigh", "flush", "to", host.address], capture_output=True)
-        self._wait_sshd(host)
 
     def exec(self, host: TestHost, command: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         """Run a command inside the host's namespaces (for test assertions), without SSH."""
