@@ -49,6 +49,8 @@ def normalized_stream(url: str, body: dict[str, Any]) -> str:
     with httpx.stream("POST", url + CHAT, json=dict(body, stream=True), timeout=120) as resp:
         raw = resp.read().decode()
     raw = re.sub(r'"id":"[^"]*"', '"id":"X"', raw)
+    # system_fingerprint hashes the server's own config (its kv-transfer config differs from the reference's)
+    raw = re.sub(r'"system_fingerprint":"[^"]*"', '"system_fingerprint":"X"', raw)
     return re.sub(r'"created":\d+', '"created":0', raw)
 
 
@@ -77,9 +79,9 @@ def pd(server_factory: Any, reference: dict[str, Any]) -> Any:
     p, d = server_factory(("prefill", "kv_producer"), ("decode", "kv_consumer"))
     MEASURED["start_s_prefill"] = round(p.ready_after or 0, 1)
     MEASURED["start_s_decode"] = round(d.ready_after or 0, 1)
+    MEASURED["rss_mb_prefill_after_start"] = round(p.rss_mb())
+    MEASURED["rss_mb_decode_after_start"] = round(d.rss_mb())
     yield p, d
-    MEASURED["rss_mb_prefill"] = round(p.rss_mb())
-    MEASURED["rss_mb_decode"] = round(d.rss_mb())
     p.stop()
     d.stop()
     print("\nbpdkv node-plugin e2e measurements:", MEASURED)
