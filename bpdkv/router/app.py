@@ -56,10 +56,12 @@ class Buffered:
 class SseStream:
     """A streamed response written straight to the ASGI send; a client disconnect cancels the relay."""
 
-    def __init__(self, body: AsyncIterator[bytes], content_type: str) -> None:
+    def __init__(self, body: AsyncIterator[bytes], content_type: str, abandon: Callable[[], None] | None = None) -> None:
         self.body = body
         self.content_type = content_type.encode("latin-1")
         self.status_code = 200
+        self.abandon = abandon  # releases the upstream if the body never starts (client gone before the first byte)
+        self.started = False
 
     async def send_to(self, send: Send, receive: Receive) -> None:
         relay = asyncio.current_task()
@@ -81,6 +83,7 @@ class SseStream:
                     "headers": [(b"content-type", self.content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
                 }
             )
+            self.started = True  # from here the relay's own finally releases the upstream
             async for chunk in self.body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -88,6 +91,8 @@ class SseStream:
             pass  # the client went away; closing the relay below drops the upstream connection
         finally:
             watcher.cancel()
+            if not self.started and self.abandon is not None:
+                self.abandon()
             aclose = getattr(self.body, "aclose", None)
             if aclose is not None:
                 await aclose()

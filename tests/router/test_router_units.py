@@ -141,3 +141,33 @@ def test_memory_store_purges_abandoned_entries() -> None:
         return await store.count()
 
     assert asyncio.run(scenario()) <= 11
+
+
+def test_stream_abandoned_before_first_byte_releases_upstream() -> None:
+    import asyncio
+
+    from bpdkv.router.app import SseStream
+
+    released: list[str] = []
+
+    async def body():  # type: ignore[no-untyped-def]
+        try:
+            yield b"data: x\n\n"
+        finally:
+            released.append("relay")
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        raise OSError("client gone")
+
+    async def receive():  # type: ignore[no-untyped-def]
+        await asyncio.sleep(3600)
+
+    async def scenario() -> None:
+        stream = SseStream(body(), "text/event-stream", abandon=lambda: released.append("abandon"))
+        try:
+            await stream.send_to(send, receive)
+        except OSError:
+            pass
+
+    asyncio.run(scenario())
+    assert released == ["abandon"]  # exactly one release, by the abandon path
