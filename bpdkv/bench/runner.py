@@ -47,23 +47,25 @@ class RunResult:
     wall_s: float = 0.0
 
 
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of the samples of one metric in Prometheus text whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in (labels or {}).items()):
+            try:
+                total += float(value)
+            except ValueError:
+                pass
+    return total
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, (name, labels) in SERVER_COUNTERS.items():
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            head, _, value = line.rpartition(" ")
-            if head.split("{", 1)[0] != name:
-                continue
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                try:
-                    total += float(value)
-                except ValueError:
-                    pass
-        out[key] = total
-    return out
+    return {key: metric_value(text, name, labels) for key, (name, labels) in SERVER_COUNTERS.items()}
 
 
 async def scrape(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict[str, float]]:

@@ -7,14 +7,8 @@ from typing import Any
 
 import httpx
 
-TEMPLATE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from bpdkv.bench.runner import metric_value
+from bpdkv.router.protocol import P_TEMPLATE as TEMPLATE
 
 
 def sse(resp: httpx.Response) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
@@ -67,16 +61,7 @@ def reference(url: str, route: str, body: dict[str, Any], timeout: float = 120) 
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.split("{", 1)[0] != name:
-            continue
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
+    return metric_value(httpx.get(url + "/metrics", timeout=30).text, name, labels)
 
 
 QUESTIONS = [

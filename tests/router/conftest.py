@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bpdkv.bench.runner import metric_value
 from bpdkv.router.app import Router
 from bpdkv.router.config import HealthSettings, RouterConfig, Timeouts, UpstreamSpec
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
@@ -33,18 +34,7 @@ class Fleet:
         self.url = self.router_urls[0] if self.router_urls else ""
 
     def metric(self, name: str, router: int = 0, **labels: str) -> float:
-        text = httpx.get(self.router_urls[router] + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            head, _, value = line.rpartition(" ")
-            metric_name = head.split("{", 1)[0]
-            if metric_name != name:
-                continue
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-        return total
+        return metric_value(httpx.get(self.router_urls[router] + "/metrics", timeout=10).text, name, labels)
 
 
 def make_fleet(
