@@ -77,6 +77,12 @@ class Proc:
                 self.popen.wait(10)
 
 
+def start_router(urls: dict[str, str], port: int, *extra: str) -> Proc:
+    """A real `bpdkv router` process in front of the emulated P and D."""
+    argv = [sys.executable, "-m", "bpdkv.cli", "router", "--prefill", urls["prefill"], "--decode", urls["decode"], "--port", str(port)]
+    return Proc([*argv, *extra, "--log-level", "warning"])
+
+
 SYSTEM = "You are a terse assistant answering benchmark questions. " * 4
 
 
@@ -200,24 +206,7 @@ def main() -> None:
         routers: dict[str, tuple[int, int]] = {"direct": (d_port, 0)}
         if "bpdkv" in args.modes:
             port = free_port()
-            r = Proc(
-                [
-                    sys.executable,
-                    "-m",
-                    "bpdkv.cli",
-                    "router",
-                    "--prefill",
-                    urls["prefill"],
-                    "--decode",
-                    urls["decode"],
-                    "--port",
-                    str(port),
-                    "--health-interval",
-                    "5",
-                    "--log-level",
-                    "warning",
-                ]
-            )
+            r = start_router(urls, port, "--health-interval", "5")
             procs.append(r)
             wait_http(port)
             routers["bpdkv"] = (port, r.popen.pid)

@@ -68,24 +68,7 @@ def main() -> None:
         assert emu.popen.stdout is not None
         urls = json.loads(emu.popen.stdout.readline())
         port = ro.free_port()
-        router = ro.Proc(
-            [
-                sys.executable,
-                "-m",
-                "bpdkv.cli",
-                "router",
-                "--prefill",
-                urls["prefill"],
-                "--decode",
-                urls["decode"],
-                "--port",
-                str(port),
-                "--session-ttl",
-                str(args.session_ttl),
-                "--log-level",
-                "warning",
-            ]
-        )
+        router = ro.start_router(urls, port, "--session-ttl", str(args.session_ttl))
         procs.append(router)
         ro.wait_http(port)
         result = asyncio.run(run(port, router.popen.pid, args))

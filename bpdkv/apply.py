@@ -48,6 +48,10 @@ class ApplyOptions:
 Progress = Callable[[str, str], None]  # (host, message)
 
 
+def stop_and_disable(unit: str) -> str:
+    return f"systemctl stop {shlex.quote(unit)}; systemctl disable {shlex.quote(unit)}"
+
+
 def _put_atomic(conn: Connection, node: str, art_path: str, content: str, mode: int, options: SshOptions) -> None:
     """Upload to a temp name beside the target, chmod, then rename: the target is never half-written."""
     tmp = art_path + TMP_SUFFIX
@@ -160,7 +164,7 @@ class Executor:
                 run(
                     self.conns[hp.host],
                     hp.host,
-                    f"systemctl stop {shlex.quote(u.unit)}; systemctl disable {shlex.quote(u.unit)}",
+                    stop_and_disable(u.unit),
                     self.options.ssh,
                     check=False,
                 )
@@ -213,7 +217,7 @@ class Executor:
                     run(
                         conn,
                         hp.host,
-                        f"systemctl stop {shlex.quote(u.unit)}; systemctl disable {shlex.quote(u.unit)}",
+                        stop_and_disable(u.unit),
                         self.options.ssh,
                         check=False,
                     )

@@ -10,7 +10,7 @@ from typing import Any
 
 from fabric import Connection
 
-from bpdkv.apply import ApplyOptions, Executor, HostOutcome, Progress, execute, health_gate
+from bpdkv.apply import ApplyOptions, Executor, HostOutcome, Progress, execute, health_gate, stop_and_disable
 from bpdkv.errors import BpdkvError
 from bpdkv.plan import Plan, empty_facts, make_plan
 from bpdkv.remote import MANIFEST_PATH, HostFacts, RemoteError, SshOptions, connect, for_each_host, gather_facts, run
@@ -167,7 +167,7 @@ def destroy(fleet: Fleet, ssh: SshOptions, parallel: int, progress: Progress | N
             return "nothing to destroy (no manifest)"
         conn = fleet.conns[node.name]
         for unit in manifest.get("units", []):
-            run(conn, node.name, f"systemctl stop {shlex.quote(unit)}; systemctl disable {shlex.quote(unit)}", ssh, check=False)
+            run(conn, node.name, stop_and_disable(unit), ssh, check=False)
             report(node.name, f"stopped {unit}")
         paths = sorted(manifest.get("files", {}))
         if paths:
