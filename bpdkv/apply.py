@@ -13,12 +13,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fabric import Connection
 
+from bpdkv.bootstrap import SOURCE_MARKER, check_installed, install_command, source_digest
 from bpdkv.plan import HostPlan, Plan, UnitAction, manifest_for
-from bpdkv.remote import MANIFEST_PATH, RemoteError, SshOptions, run
+from bpdkv.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts, RemoteError, SshOptions, run
 from bpdkv.render import Artifact
 from bpdkv.topology.model import Topology
 
@@ -35,6 +37,18 @@ class HostOutcome:
     message: str = ""
     files_written: int = 0
     units_restarted: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PackageSource:
+    """What the bootstrap pushes: a wheelhouse (offline, --no-index) or just bpdkv's own wheel (deps from the index)."""
+
+    files: dict[str, Path]  # wheel name → local path
+    bpdkv_wheel: str
+    offline: bool
+
+
+INSTALL_TIMEOUT = 3600.0  # seconds for one node's pip install: vLLM + torch from a wheelhouse take minutes
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,8 @@ class Executor:
         conns: dict[str, Connection],
         options: ApplyOptions,
         progress: Progress | None = None,
+        packages: PackageSource | None = None,
+        node_facts: dict[str, HostFacts] | None = None,
     ) -> None:
         self.topology = topology
         self.artifacts = artifacts
@@ -107,8 +123,50 @@ class Executor:
         self.progress = progress or (lambda host, msg: None)
         self.outcomes: dict[str, HostOutcome] = {h.host: HostOutcome(h.host) for h in plan.hosts}
         self.backups: dict[str, str] = {}
+        self.packages = packages
+        self.node_facts = node_facts or {}
 
     # ---- phases ----------------------------------------------------------------------------------------------
+    def install_packages(self, hp: HostPlan) -> None:
+        """Bootstrap: push missing wheels, make/upgrade the venv, install, verify imports and versions, record bpdkv."""
+        if not hp.installs:
+            return
+        if self.packages is None:
+            raise RemoteError(hp.host, "packages must be installed but no package source was prepared")
+        conn = self.conns[hp.host]
+        node = next(n for n in self.topology.nodes if n.name == hp.host)
+        facts = self.node_facts.get(hp.host)
+        have = facts.wheelhouse if facts else {}
+        run(conn, hp.host, f"mkdir -p {NODE_WHEELHOUSE}", self.options.ssh)
+        pushed = 0
+        for name, local in sorted(self.packages.files.items()):
+            if have.get(name) == local.stat().st_size and name != self.packages.bpdkv_wheel:
+                continue  # already there (wheel names carry versions; bpdkv's own is rebuilt under one name)
+            try:
+                conn.put(str(local), remote=f"{NODE_WHEELHOUSE}/{name}")
+            except Exception as exc:  # noqa: BLE001 - paramiko/sftp raise many kinds; one line about this host
+                raise RemoteError(hp.host, f"upload of {name} failed: {exc}") from None
+            pushed += 1
+        self.progress(hp.host, f"pushed {pushed} wheel(s); installing " + ", ".join(p.line for p in hp.packages if p.action != "none"))
+        wheel = f"{NODE_WHEELHOUSE}/{self.packages.bpdkv_wheel}"
+        command = install_command(self.topology, node, wheel, self.packages.offline)
+        slow = SshOptions(self.options.ssh.accept_new_host_keys, max(self.options.ssh.command_timeout, INSTALL_TIMEOUT))
+        code, out, err = run(conn, hp.host, "sh -c " + shlex.quote(command), slow, check=False)
+        lines = out.strip().splitlines()
+        try:
+            report = json.loads(lines[-1]) if code == 0 and lines else None
+        except ValueError:
+            report = None
+        if report is None:
+            tail = (err or out).strip().splitlines()
+            raise RemoteError(hp.host, f"package install failed (exit {code}): {tail[-1] if tail else 'no output'}")
+        problems = check_installed(self.topology, node, report)
+        if problems:
+            raise RemoteError(hp.host, "installed packages do not verify: " + "; ".join(problems))
+        venv = shlex.quote(self.topology.vllm.venv)
+        run(conn, hp.host, f"echo {source_digest()} > {venv}/{SOURCE_MARKER}", self.options.ssh)
+        self.progress(hp.host, "verified: " + ", ".join(f"{k} {v}" for k, v in sorted(report.get("versions", {}).items())))
+
     def write_files(self, hp: HostPlan) -> None:
         """Three round trips per host whatever the file count: back up + make folders, upload temps, rename all."""
         conn = self.conns[hp.host]
@@ -265,6 +323,8 @@ def execute(executor: Executor, for_each: Callable[[list[Any], Callable[[Any], A
 
         return inner
 
+    # Packages first: a host whose install fails keeps its old files and units (nothing half-deployed).
+    for_each([h for h in live if h.installs], guarded(executor.install_packages))
     for_each([h for h in live if h.changed], guarded(executor.stop_units))
     for_each([h for h in live if h.changed], guarded(executor.write_files))
 

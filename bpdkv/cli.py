@@ -158,6 +158,30 @@ def init(
 
 
 @main.group()
+def wheelhouse() -> None:
+    """Wheels for fleets without internet: `apply` pushes them and installs with --no-index."""
+
+
+@wheelhouse.command("build")
+@click.argument("topology", type=click.Path(path_type=str))
+@click.option(
+    "--out", "out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Folder to fill (bootstrap.wheelhouse)."
+)
+@click.option("--python-version", "python_version", default=None, help="The nodes' Python, e.g. 3.12 (default: this one).")
+@click.option("--platform", "platform", default=None, help="The nodes' platform tag, e.g. manylinux_2_28_x86_64 (default: this one).")
+@user_errors
+def wheelhouse_build(topology: str, out: Path, python_version: str | None, platform: str | None) -> None:
+    """bpdkv's own wheel (built from this CLI) + every wheel the nodes of TOPOLOGY need (pip download)."""
+    from bpdkv.bootstrap import build_wheelhouse
+
+    validated = _load(topology)
+    house = build_wheelhouse(validated.topology, out, python_version, platform)
+    size = sum((out / f).stat().st_size for f in house.files) / 1e6
+    click.echo(f"{out}: {len(house.files)} files, {size:.1f} MB, bpdkv {house.source_digest}, Python {house.python}")
+    click.echo(f"set bootstrap.wheelhouse: {out} in the topology; apply pushes it and installs with --no-index")
+
+
+@main.group()
 def profiles() -> None:
     """Model profiles and hardware presets."""
 
@@ -227,6 +251,9 @@ def _print_plan(plan: Any, show_diff: bool = True) -> None:
             console.print(f"[bold]{h.host}[/] ({h.address}): [red]error: {escape(h.error or '')}[/]")
             continue
         console.print(f"[bold]{h.host}[/] ({h.address})" + ("" if h.changed else " [dim]no changes[/]"))
+        for p in h.packages:
+            if p.action != "none":
+                console.print(f"  [blue]{p.action} package[/] {escape(p.line)}")
         for f in h.files:
             if f.action == "none":
                 continue
@@ -413,10 +440,11 @@ def status(topology: str, output: str, accept_new_host_keys: bool, command_timeo
 @main.command()
 @click.argument("topology", type=click.Path(path_type=str))
 @click.option("-y", "--yes", is_flag=True, help="Do not ask.")
+@click.option("--keep-packages", is_flag=True, help="Leave the venv and wheelhouse the bootstrap installed.")
 @with_ssh_flags
 @user_errors
-def destroy(topology: str, yes: bool, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
-    """Stop and disable bpdkv's units and remove exactly the files in each host's manifest."""
+def destroy(topology: str, yes: bool, keep_packages: bool, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
+    """Stop and disable bpdkv's units, remove exactly the files in each host's manifest and the bootstrap's venv."""
     from bpdkv.deploy import destroy as fleet_destroy
     from bpdkv.deploy import load_fleet
 
@@ -426,7 +454,9 @@ def destroy(topology: str, yes: bool, accept_new_host_keys: bool, command_timeou
         click.confirm(f"destroy every bpdkv unit and file of {topology}?", abort=True)
     fleet = load_fleet(topology)
     try:
-        results = fleet_destroy(fleet, _ssh_options(accept_new_host_keys, command_timeout), parallel, lambda h, m: click.echo(f"{h}: {m}"))
+        results = fleet_destroy(
+            fleet, _ssh_options(accept_new_host_keys, command_timeout), parallel, lambda h, m: click.echo(f"{h}: {m}"), keep_packages
+        )
     finally:
         fleet.close()
     bad = False

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import shlex
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fabric import Connection
 
-from bpdkv.apply import ApplyOptions, Executor, HostOutcome, Progress, execute, health_gate, stop_and_disable
+from bpdkv.apply import ApplyOptions, Executor, HostOutcome, PackageSource, Progress, execute, health_gate, stop_and_disable
+from bpdkv.bootstrap import Wheelhouse, build_bpdkv_wheel
 from bpdkv.errors import BpdkvError
 from bpdkv.plan import Plan, empty_facts, make_plan
 from bpdkv.remote import MANIFEST_PATH, HostFacts, RemoteError, SshOptions, connect, for_each_host, gather_facts, run
@@ -110,9 +112,31 @@ def check_saved_plan(saved: Plan, fresh: Plan) -> None:
         raise StalePlan(f"host facts changed since the plan was saved ({', '.join(changed)}: drift or another apply); plan again")
 
 
+def wheelhouse_path(fleet: Fleet) -> Path | None:
+    """bootstrap.wheelhouse, relative to the topology file."""
+    where = fleet.topology.bootstrap.wheelhouse
+    if where is None:
+        return None
+    path = Path(where).expanduser()
+    return path if path.is_absolute() else Path(fleet.validated.file).resolve().parent / path
+
+
+def package_source(fleet: Fleet, workdir: Path) -> PackageSource:
+    """The wheelhouse when the topology names one (checked against this CLI's build), else bpdkv's wheel built now."""
+    house_dir = wheelhouse_path(fleet)
+    if house_dir is not None:
+        house = Wheelhouse.load(house_dir)
+        house.check_current()
+        return PackageSource({name: house_dir / name for name in house.files}, house.bpdkv_wheel, offline=True)
+    wheel = build_bpdkv_wheel(workdir)
+    return PackageSource({wheel.name: wheel}, wheel.name, offline=False)
+
+
 def apply_plan(fleet: Fleet, plan: Plan, options: ApplyOptions, progress: Progress | None = None) -> dict[str, HostOutcome]:
-    executor = Executor(fleet.topology, fleet.artifacts, plan, fleet.conns, options, progress)
-    return execute(executor, lambda items, fn: for_each_host(items, fn, options.parallel))
+    with tempfile.TemporaryDirectory(prefix="bpdkv-wheel-") as tmp:
+        packages = package_source(fleet, Path(tmp)) if any(h.installs for h in plan.hosts if h.reachable) else None
+        executor = Executor(fleet.topology, fleet.artifacts, plan, fleet.conns, options, progress, packages, fleet.facts)
+        return execute(executor, lambda items, fn: for_each_host(items, fn, options.parallel))
 
 
 @dataclass
@@ -153,8 +177,9 @@ def status(fleet: Fleet, ssh: SshOptions, parallel: int, health_timeout: float =
     return out
 
 
-def destroy(fleet: Fleet, ssh: SshOptions, parallel: int, progress: Progress | None = None) -> dict[str, str]:
-    """Stop and disable bpdkv units and remove exactly the files in each host's manifest (nothing else)."""
+def destroy(fleet: Fleet, ssh: SshOptions, parallel: int, progress: Progress | None = None, keep_packages: bool = False) -> dict[str, str]:
+    """Stop and disable bpdkv units and remove exactly the files in each host's manifest, and the venv + wheelhouse the
+    bootstrap installed (unless keep_packages); nothing else."""
     gather(fleet, ssh, parallel)
     report = progress or (lambda h, m: None)
 
@@ -180,8 +205,20 @@ def destroy(fleet: Fleet, ssh: SshOptions, parallel: int, progress: Progress | N
         # Work directories go only if empty (they may hold caches the user wants); backups are bpdkv's own.
         instances = manifest.get("instances", {}).values()
         dirs = " ".join(shlex.quote(f"/var/lib/bpdkv/{i}") for i in instances)
+        packages = manifest.get("packages") if isinstance(manifest.get("packages"), dict) else None
+        removed_packages = ""
+        if packages and not keep_packages:
+            # Only folders bpdkv itself made: absolute, at least two levels deep (never /, /opt or /usr).
+            owned = [
+                p
+                for p in (packages.get("venv"), packages.get("wheelhouse"))
+                if isinstance(p, str) and p.startswith("/") and p.rstrip("/").count("/") >= 2
+            ]
+            if owned:
+                run(conn, node.name, "rm -rf " + " ".join(shlex.quote(p) for p in owned), ssh)
+                removed_packages = ", " + " and ".join(owned)
         run(conn, node.name, f"rmdir {dirs} 2>/dev/null; rm -rf /var/lib/bpdkv/backup; rm -f {MANIFEST_PATH}; true", ssh)
-        return f"removed {len(paths)} file(s), {len(manifest.get('units', []))} unit(s)"
+        return f"removed {len(paths)} file(s), {len(manifest.get('units', []))} unit(s){removed_packages}"
 
     results = for_each_host(list(fleet.topology.nodes), one, parallel)
     return {n.name: (r if isinstance(r, str) else f"failed: {r}") for n, r in zip(fleet.topology.nodes, results, strict=True)}

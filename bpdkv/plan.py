@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bpdkv import __version__
-from bpdkv.remote import MANIFEST_PATH, HostFacts
+from bpdkv.bootstrap import PackageChange, package_changes
+from bpdkv.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
 from bpdkv.render import Artifact
 from bpdkv.topology.model import Topology
 
@@ -52,10 +53,16 @@ class HostPlan:
     daemon_reload: bool
     units: list[UnitAction]
     facts_digest: str
+    packages: list[PackageChange] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
-        return any(f.action != "none" for f in self.files) or any(u.action != "none" for u in self.units)
+        return any(f.action != "none" for f in self.files) or any(u.action != "none" for u in self.units) or self.installs
+
+    @property
+    def installs(self) -> bool:
+        """The bootstrap has work on this host (a package to install, upgrade or reinstall)."""
+        return any(p.action != "none" for p in self.packages)
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,7 @@ class Plan:
                 daemon_reload=h["daemon_reload"],
                 units=[UnitAction(u["unit"], u["instance"], u["role"], u["action"], u["reason"], u["port"]) for u in h["units"]],
                 facts_digest=h["facts_digest"],
+                packages=[PackageChange(p["name"], p["old"], p["new"], p["action"]) for p in h.get("packages", [])],
             )
             for h in data["hosts"]
         ]
@@ -136,6 +144,8 @@ def facts_digest(facts: HostFacts) -> str:
         "manifest": facts.manifest,
         "files": {p: (None if i is None else i["sha256"]) for p, i in sorted(facts.files.items())},
         "units": facts.units,
+        "versions": facts.versions,
+        "bpdkv_source": facts.bpdkv_source,
     }
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -170,6 +180,8 @@ def manifest_for(topology: Topology, host: str, artifacts: list[Artifact], gener
         "units": sorted(a.unit for a in artifacts if a.host == host and a.unit),
         "instances": {a.unit: a.instance for a in artifacts if a.host == host and a.unit},
         "compat": compat_fingerprint(topology),
+        # What the bootstrap installed, so destroy can take it away again.
+        "packages": {"venv": topology.vllm.venv, "wheelhouse": NODE_WHEELHOUSE} if topology.bootstrap.enabled else None,
     }
 
 
@@ -191,7 +203,7 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
     instances = {i.name: (n, i) for n, i in topology.instances()}
     host_plans: list[HostPlan] = []
     restarted_prefill: list[str] = []
-    pending: list[tuple[str, list[FileChange], bool, list[UnitAction], HostFacts]] = []
+    pending: list[tuple[str, list[FileChange], bool, list[UnitAction], HostFacts, list[PackageChange]]] = []
 
     for node in topology.nodes:
         f = facts.get(node.name)
@@ -221,6 +233,8 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
         for path in sorted(manifest_files):
             if path not in rendered and path != MANIFEST_PATH:
                 changes.append(FileChange(path, "delete", 0, None, False, ""))
+        packages = package_changes(topology, node, f.versions, f.bpdkv_source)
+        upgraded = [p.line for p in packages if p.action != "none"]
         units: list[UnitAction] = []
         for art in sorted((a for a in mine if a.unit), key=lambda a: a.path):
             assert art.unit and art.instance
@@ -234,6 +248,8 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
                 action, reason = "restart", "compatibility break (" + "; ".join(compat_changes) + "): P and D restart together"
             elif what:
                 action, reason = ("restart" if state == "active" else "start"), "changed: " + ", ".join(sorted(set(what)))
+            elif upgraded:
+                action, reason = ("restart" if state == "active" else "start"), "packages changed: " + "; ".join(upgraded)
             elif state != "active":
                 action, reason = "start", f"not running ({state})"
             else:
@@ -247,10 +263,10 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
             if unit not in {a.unit for a in mine if a.unit}:
                 units.append(UnitAction(unit, old_instances.get(unit, unit), "removed", "stop", "no longer in the topology"))
         daemon_reload = any(c.path.endswith(".service") and c.action != "none" for c in changes)
-        pending.append((node.name, changes, daemon_reload, units, f))
+        pending.append((node.name, changes, daemon_reload, units, f, packages))
 
     # D instances that talk to a restarted P restart after it: their NIXL agents cache P's metadata.
-    for name, changes, daemon_reload, units, host_facts in pending:
+    for name, changes, daemon_reload, units, host_facts, packages in pending:
         if restarted_prefill:
             units = [
                 UnitAction(
@@ -266,7 +282,7 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
                 for u in units
             ]
         node = next(n for n in topology.nodes if n.name == name)
-        host_plans.append(HostPlan(name, node.host, True, None, changes, daemon_reload, units, facts_digest(host_facts)))
+        host_plans.append(HostPlan(name, node.host, True, None, changes, daemon_reload, units, facts_digest(host_facts), packages))
 
     host_plans.sort(key=lambda h: [n.name for n in topology.nodes].index(h.host))
     waves: list[dict[str, Any]] = []

@@ -17,6 +17,7 @@ from bpdkv.errors import BpdkvError
 from bpdkv.topology.model import Node, SshSpec
 
 MANIFEST_PATH = "/etc/bpdkv/manifest.json"
+NODE_WHEELHOUSE = "/opt/bpdkv/wheelhouse"  # where apply pushes the wheelhouse on each node
 COMMAND_TIMEOUT = 120.0
 T = TypeVar("T")
 
@@ -167,6 +168,12 @@ if os.path.exists(py):
     if v:
         versions = json.loads(v)
 out["versions"] = versions
+marker = read(os.path.join(req["venv"], ".bpdkv-source"))
+out["bpdkv_source"] = marker.decode().strip() if marker else None
+try:
+    out["wheelhouse"] = {n: os.path.getsize(os.path.join(req["wheelhouse"], n)) for n in os.listdir(req["wheelhouse"])}
+except OSError:
+    out["wheelhouse"] = {}
 print(json.dumps(out))
 """
 
@@ -182,6 +189,8 @@ class HostFacts:
     gpus: int | None = None
     efa_devices: int = 0
     versions: dict[str, str] = field(default_factory=dict)
+    bpdkv_source: str | None = None  # source digest of the bpdkv last installed by bootstrap
+    wheelhouse: dict[str, int] = field(default_factory=dict)  # wheel name → size already on the node
 
     def content(self, path: str) -> str | None:
         info = self.files.get(path)
@@ -200,12 +209,15 @@ class HostFacts:
             "gpus": self.gpus,
             "efa_devices": self.efa_devices,
             "versions": self.versions,
+            "bpdkv_source": self.bpdkv_source,
         }
 
 
 def gather_facts(conn: Connection, node: str, paths: list[str], units: list[str], venv: str, options: SshOptions) -> HostFacts:
     # Script and request travel as base64 arguments: no stdin (invoke never closes it, the read would wait out a timeout).
-    request = base64.b64encode(json.dumps({"manifest": MANIFEST_PATH, "paths": paths, "units": units, "venv": venv}).encode()).decode()
+    request = base64.b64encode(
+        json.dumps({"manifest": MANIFEST_PATH, "paths": paths, "units": units, "venv": venv, "wheelhouse": NODE_WHEELHOUSE}).encode()
+    ).decode()
     script = base64.b64encode(FACTS_SCRIPT.encode()).decode()
     command = f"python3 -c \"import base64,sys;exec(base64.b64decode('{script}'))\" {request}"
     _, out, _ = run(conn, node, command, options)

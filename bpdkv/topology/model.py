@@ -50,6 +50,15 @@ class VllmSpec:
 
 
 @dataclass(frozen=True)
+class BootstrapSpec:
+    enabled: bool  # apply installs the venv and packages (false: the user manages vllm.venv)
+    python: str  # interpreter on the nodes that creates the venv
+    wheelhouse: str | None  # a `bpdkv wheelhouse build` folder on the CLI machine: offline installs (--no-index)
+    base_venv: str | None  # an environment on the nodes that already holds vLLM + NIXL; the venv layers on it
+    nixl_version: str | None
+
+
+@dataclass(frozen=True)
 class KvTransferSpec:
     bidirectional: bool
     connector: str  # "upstream" (vLLM's NixlConnector) | "bpdkv" (BpdkvNixlConnector)
@@ -137,6 +146,7 @@ class Topology:
     profile: str | None
     model: ModelSpec
     vllm: VllmSpec
+    bootstrap: BootstrapSpec
     kv_transfer: KvTransferSpec
     router: RouterSpec
     ssh: SshSpec
@@ -204,6 +214,14 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         env=_env(v.get("env")),
         # Real models take minutes to load; 30 min covers 70B+ weights from local NVMe.
         start_timeout=int(v.get("start_timeout", 1800)),
+    )
+    b = doc.get("bootstrap", {})
+    bootstrap = BootstrapSpec(
+        enabled=bool(b.get("enabled", True)),
+        python=b.get("python", "python3"),
+        wheelhouse=b.get("wheelhouse"),
+        base_venv=b.get("base_venv"),
+        nixl_version=b.get("nixl_version"),
     )
     k = doc.get("kv_transfer", {})
     any_efa = any(n.get("efa_devices", 0) > 0 for n in doc["nodes"])
@@ -302,6 +320,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         profile=doc.get("profile"),
         model=model,
         vllm=vllm,
+        bootstrap=bootstrap,
         kv_transfer=kv,
         router=router,
         ssh=ssh,

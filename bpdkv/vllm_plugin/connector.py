@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from bpdkv.vllm_plugin import decide, digests
+from bpdkv.vllm_plugin import decide, digests, handshake
 from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, require_supported
 
 require_supported()
@@ -100,6 +100,9 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         worker = getattr(self, "connector_worker", None)
         if worker is not None and hasattr(worker, "xfer_stats"):
             worker.xfer_stats = BpdkvStats()  # every stats object in flight must know bpdkv's keys
+        if worker is not None and callable(getattr(worker, "_nixl_handshake", None)):
+            attempts = max(1, int(extra.get("bpdkv_handshake_attempts", handshake.DEFAULT_ATTEMPTS)))
+            worker._nixl_handshake = handshake.retrying(worker._nixl_handshake, attempts)
 
     # ---- P side ------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:

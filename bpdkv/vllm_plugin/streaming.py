@@ -31,6 +31,33 @@ STREAM_MODELS = [
 DONE = "data: [DONE]\n\n"
 
 
+async def _with_final_params(original: Any, bound: inspect.BoundArguments, object_type: str) -> AsyncIterator[str]:
+    seen: dict[str, Any] = {}
+
+    async def tap(results: Any) -> AsyncIterator[Any]:
+        async for item in results:
+            output = item[1] if isinstance(item, tuple) else item
+            params = getattr(output, "kv_transfer_params", None)
+            if params is not None:
+                seen["params"] = params
+            seen.setdefault("id", getattr(output, "request_id", None))
+            yield item
+
+    bound.arguments["result_generator"] = tap(bound.arguments["result_generator"])
+    async for chunk in original(*bound.args, **bound.kwargs):
+        if chunk == DONE and "params" in seen:
+            final = {
+                "id": bound.arguments.get("request_id") or seen.get("id"),
+                "object": object_type,
+                "created": int(time.time()),
+                "model": bound.arguments.get("model_name"),
+                "choices": [],
+                "kv_transfer_params": seen["params"],
+            }
+            yield f"data: {json.dumps(final, separators=(',', ':'))}\n\n"
+        yield chunk
+
+
 def native_support() -> bool:
     """True if this vLLM's stream chunks already have a kv_transfer_params field."""
     for module, name in STREAM_MODELS:
@@ -46,37 +73,14 @@ def _wrap(original: Any, object_type: str) -> Any:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[str]:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[str]:
+        # A plain function returning the generator: requests without kv_transfer_params get vLLM's own generator
+        # object, not a wrapped one, so nothing about them changes (not even one more await per chunk).
         bound = signature.bind(self, *args, **kwargs)
         request = bound.arguments.get("request")
         if getattr(request, "kv_transfer_params", None) is None or "result_generator" not in bound.arguments:
-            async for chunk in original(self, *args, **kwargs):
-                yield chunk
-            return
-        seen: dict[str, Any] = {}
-
-        async def tap(results: Any) -> AsyncIterator[Any]:
-            async for item in results:
-                output = item[1] if isinstance(item, tuple) else item
-                params = getattr(output, "kv_transfer_params", None)
-                if params is not None:
-                    seen["params"] = params
-                seen.setdefault("id", getattr(output, "request_id", None))
-                yield item
-
-        bound.arguments["result_generator"] = tap(bound.arguments["result_generator"])
-        async for chunk in original(*bound.args, **bound.kwargs):
-            if chunk == DONE and "params" in seen:
-                final = {
-                    "id": bound.arguments.get("request_id") or seen.get("id"),
-                    "object": object_type,
-                    "created": int(time.time()),
-                    "model": bound.arguments.get("model_name"),
-                    "choices": [],
-                    "kv_transfer_params": seen["params"],
-                }
-                yield f"data: {json.dumps(final, separators=(',', ':'))}\n\n"
-            yield chunk
+            return original(self, *args, **kwargs)  # type: ignore[no-any-return]
+        return _with_final_params(original, bound, object_type)
 
     wrapper._bpdkv_wrapped = True  # type: ignore[attr-defined]
     return wrapper

@@ -28,6 +28,10 @@ BASE_ENV = {
     "UCX_TLS": "tcp",
     "UCX_NET_DEVICES": "lo",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    # vLLM-CPU forces the multiprocess executor, whose worker spins on sched_yield while the engine steps; a D that
+    # holds blocks for P steps every millisecond, so that worker burnt a core and starved the NIXL handshake.
+    # Without V1 multiprocessing the model runs inside the engine-core process and an idle server sleeps.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -45,6 +46,20 @@ def reference_chat(url: str, turns: int = 4) -> list[str]:
     return out
 
 
+PLAIN_BODY = chat_body([{"role": "user", "content": "plain streaming request"}])
+PLAIN_STREAMS: dict[str, str] = {}
+
+
+def stream_shape(raw: str) -> dict[str, Any]:
+    """A stream without its chunk boundaries, which follow timing: vLLM merges the outputs its API server has not
+    consumed yet into one chunk (two runs of one unpatched server split the same 24 tokens into 14 or 26 chunks)."""
+    events = [json.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
+    content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    shapes = sorted({json.dumps([sorted(e), [sorted(c) for c in e["choices"]]]) for e in events})  # the keys of each chunk
+    last = dict(events[-1], choices=[{k: v for k, v in c.items() if k != "delta"} for c in events[-1]["choices"]])
+    return {"content": content, "chunk_shapes": shapes, "last_chunk": last, "ends_with_done": raw.endswith("data: [DONE]\n\n")}
+
+
 def normalized_stream(url: str, body: dict[str, Any]) -> str:
     with httpx.stream("POST", url + CHAT, json=dict(body, stream=True), timeout=120) as resp:
         raw = resp.read().decode()
@@ -61,7 +76,6 @@ def reference(server_factory: Any) -> dict[str, Any]:
     MEASURED["start_s_reference"] = round(ref.ready_after or 0, 1)
     out = {
         "chat": reference_chat(ref.url),
-        "plain_stream": normalized_stream(ref.url, chat_body([{"role": "user", "content": "plain streaming request"}])),
     }
     prompt, tokens_out = list(TOKEN_PROMPT), []
     for _ in range(3):
@@ -151,8 +165,10 @@ def test_streams_carry_final_params_and_plain_streams_are_unchanged(pd: Any, ref
             _, params, events = sse(resp)
         assert params is not None and params["do_remote_decode"] is True and params["bpdkv_block_digests"]
         assert "kv_transfer_params" in events[-1] and events[-1]["choices"] == []
-    plain = normalized_stream(p.url, chat_body([{"role": "user", "content": "plain streaming request"}]))
-    assert plain == reference["plain_stream"]  # byte-identical apart from ids and timestamps
+    # Compared with an unpatched server of the same configuration in the upstream test below: a P/D server's KV layout
+    # differs from a plain server's, which may flip greedy near-ties of the random tiny model.
+    PLAIN_STREAMS["patched"] = normalized_stream(p.url, PLAIN_BODY)
+    assert stream_shape(PLAIN_STREAMS["patched"])["ends_with_done"] and "kv_transfer_params" not in PLAIN_STREAMS["patched"]
 
 
 def test_small_pull_below_threshold_is_skipped(pd: Any) -> None:
@@ -195,8 +211,11 @@ def test_upstream_connector_still_reuses_wrong_kv(server_factory: Any, pd: Any, 
     p, d = pd
     p.stop()
     d.stop()
-    up_p, up_d = server_factory(("up-prefill", "kv_producer"), ("up-decode", "kv_consumer"), connector="upstream")
+    # No general plugin either: these are the servers a user has without bpdkv.
+    up_p, up_d = server_factory(("up-prefill", "kv_producer"), ("up-decode", "kv_consumer"), connector="upstream", plugins=False)
     try:
+        if "patched" in PLAIN_STREAMS:  # requests without kv params: the same stream apart from ids, times, chunking
+            assert stream_shape(normalized_stream(up_p.url, PLAIN_BODY)) == stream_shape(PLAIN_STREAMS["patched"])
         rows = run_chat(up_p.url, up_d.url, salt_p=True, stream_odd=False)
         MEASURED["upstream_pulled_per_turn"] = [r["pulled"] for r in rows]
         assert any(r["pulled"] > 0 for r in rows[1:])

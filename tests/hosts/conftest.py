@@ -64,6 +64,7 @@ def topology_doc(lab: TestHosts, **extra: Any) -> dict[str, Any]:
         "profile": "tiny-cpu",
         "ssh": {"user": "root", "identity_file": str(lab.key), "known_hosts": str(lab.known_hosts), "connect_timeout": 3},
         "vllm": {"start_timeout": 20, "env": {"FAKE_VERSION": "v1"}},
+        "bootstrap": {"enabled": False},  # the venv is a fake vLLM (fake_vllm.py); the real bootstrap: test_fleet_e2e.py
         "nodes": [
             {"name": "host1", "host": "10.213.0.11", "hardware": "cpu", "instances": [{"role": "prefill", "port": 8100}]},
             {"name": "host2", "host": "10.213.0.12", "hardware": "cpu", "instances": [{"role": "decode", "port": 8200}]},

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from bpdkv.bootstrap import source_digest, wanted_versions
 from bpdkv.plan import compat_fingerprint, make_plan
 from bpdkv.remote import HostFacts
 from bpdkv.render import render_topology
@@ -56,7 +57,21 @@ def _resolve(fixture: dict[str, Any]) -> dict[str, HostFacts]:
             compat = dict(compat_fingerprint(topology))
             compat.update(manifest.get("compat_override", {}))
             manifest["compat"] = compat
-        facts[host] = HostFacts(host, True, None, manifest, files, f.get("units", {}))
+        # A host bpdkv applied before holds the wanted packages unless the fixture says otherwise.
+        node = next(n for n in topology.nodes if n.name == host)
+        wanted = {name: version.split(" ")[0] for name, version in wanted_versions(topology, node).items()}
+        versions = {k: v for k, v in (f.get("versions", wanted if manifest is not None else {})).items()}
+        source = f.get("bpdkv_source", "@current" if manifest is not None else None)
+        facts[host] = HostFacts(
+            host,
+            True,
+            None,
+            manifest,
+            files,
+            f.get("units", {}),
+            versions=versions,
+            bpdkv_source=source_digest() if source == "@current" else source,
+        )
     return facts
 
 
@@ -71,7 +86,8 @@ def _summary(fixture: dict[str, Any]) -> dict[str, Any]:
                 "reachable": h.reachable,
                 "files": {f.path: f.symbol + (" drift" if f.drift else "") for f in h.files if f.action != "none"},
                 "daemon_reload": h.daemon_reload,
-                "units": {u.unit: f"{u.action}: {u.reason}" for u in h.units},
+                "units": {u.unit: f"{u.action}: {u.reason}".replace(source_digest(), "@current") for u in h.units},
+                "packages": [f"{p.action} {p.line}".replace(source_digest(), "@current") for p in h.packages if p.action != "none"],
             }
             for h in plan.hosts
         },

