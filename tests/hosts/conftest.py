@@ -32,10 +32,12 @@ def lab() -> Iterator[TestHosts]:
         hosts.stop()
 
 
-def wipe(lab: TestHosts) -> None:
+def wipe(lab: TestHosts, fake_venv: bool = True) -> None:
     """Back to empty hosts: stop services (inside each host), clear per-host dirs, then install the fake venv."""
     for host in lab.hosts:
         lab.exec(host, "for p in $(pgrep -f fake_vllm); do kill $p; done; true")
+        # Real vLLM/router processes a failed e2e run may have left (their command lines name the host's venv).
+        lab.exec(host, "for p in $(pgrep -f /opt/bpdkv/venv/bin/python); do kill -9 $p; done; true")
         for d in PER_HOST_DIRS:
             # Empty, never replace: the host's bind mount holds on to this very directory.
             for child in (host.fs / d.lstrip("/")).iterdir():
@@ -43,6 +45,8 @@ def wipe(lab: TestHosts) -> None:
                     shutil.rmtree(child)
                 else:
                     child.unlink()
+        if not fake_venv:
+            continue
         bin_dir = host.fs / "opt/bpdkv/venv/bin"
         bin_dir.mkdir(parents=True)
         for name in ("python", "bpdkv"):

