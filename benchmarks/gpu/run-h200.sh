@@ -1,13 +1,37 @@
 #!/bin/bash
 # GPU benchmark on the lent 2×H200 machine. Call 1..3 stage vLLM (shared/notes/gpu.md); this script is call 4+:
 #   bash benchmarks/gpu/run-h200.sh start            # install nixl + bpdkv (chunks 4, 5), render, start P, D, router
-#   bash benchmarks/gpu/run-h200.sh bench NAME ARGS  # one `bpdkv bench` sweep into $OUT/NAME.json
+#   bash benchmarks/gpu/run-h200.sh bench NAME ARGS  # one `bpdkv bench` sweep into $OUT/NAME.json (+ router metrics around it)
+#   bash benchmarks/gpu/run-h200.sh calibrate NAME ARGS  # `bpdkv calibrate` against P and D into $OUT/NAME.json
+#   BLOCK=16 bash benchmarks/gpu/run-h200.sh restart # stop P and D, start them again with another --block-size
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 PY=$(command -v python3)
 export PYTHONPATH=/tmp/site
 cmd=$1; shift
-if [ "$cmd" = start ]; then
+start_pd() {
+  R=/tmp/render/gpu-box
+  for inst in prefill-0 decode-0; do
+    sed "s#^\. /etc/bpdkv/#. $R/etc/bpdkv/#; s#--block-size [0-9]*#--block-size ${BLOCK:-128}#" "$R/opt/bpdkv/bin/$inst.sh" > /tmp/$inst.sh
+    setsid timeout 3000 bash /tmp/$inst.sh > /tmp/$inst.log 2>&1 < /dev/null &
+    echo $! > /tmp/$inst.pid
+  done
+  for i in $(seq 1 150); do
+    if curl -sf localhost:8100/health >/dev/null && curl -sf localhost:8200/health >/dev/null; then echo "P and D (block ${BLOCK:-128}) healthy after $((i*2)) s"; break; fi
+    if grep -q "EngineCore failed\|Engine core initialization failed" /tmp/prefill-0.log /tmp/decode-0.log; then echo "a server failed:"; tail -n 30 /tmp/prefill-0.log /tmp/decode-0.log; exit 1; fi
+    sleep 2
+  done
+}
+if [ "$cmd" = restart ]; then
+  for inst in prefill-0 decode-0; do kill -- -"$(cat /tmp/$inst.pid)" 2>/dev/null || kill "$(cat /tmp/$inst.pid)" 2>/dev/null || true; done
+  for i in $(seq 1 60); do curl -sf localhost:8100/health >/dev/null || curl -sf localhost:8200/health >/dev/null || break; sleep 1; done
+  sleep 5
+  start_pd
+elif [ "$cmd" = calibrate ]; then
+  name=$1; shift
+  mkdir -p "$OUT"
+  python3 -m bpdkv.cli calibrate --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --model qwen3-8b --out "$OUT/$name.json" --write-override "$OUT/$name.override.yaml" "$@" | tee "$OUT/$name.txt"
+elif [ "$cmd" = start ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-stage/4/*.whl .gpu-stage/5/*.whl
   mkdir -p /tmp/gpuvenv/bin /tmp/qwen3-8b
   # A wrapper, not a symlink: through a symlink Python would miss the real interpreter's venv (and its torch).
@@ -21,15 +45,7 @@ if [ "$cmd" = start ]; then
 JSON
   python3 -m bpdkv.cli render benchmarks/gpu/h200x2-qwen3-8b-dummy.yaml --out /tmp/render
   R=/tmp/render/gpu-box
-  for inst in prefill-0 decode-0; do
-    sed "s#^\. /etc/bpdkv/#. $R/etc/bpdkv/#" "$R/opt/bpdkv/bin/$inst.sh" > /tmp/$inst.sh
-    setsid timeout 3000 bash /tmp/$inst.sh > /tmp/$inst.log 2>&1 < /dev/null &
-  done
-  for i in $(seq 1 150); do
-    if curl -sf localhost:8100/health >/dev/null && curl -sf localhost:8200/health >/dev/null; then echo "P and D healthy after $((i*2)) s"; break; fi
-    if grep -q "Traceback" /tmp/prefill-0.log /tmp/decode-0.log; then echo "a server failed:"; tail -n 30 /tmp/prefill-0.log /tmp/decode-0.log; exit 1; fi
-    sleep 2
-  done
+  start_pd
   setsid timeout 3000 python3 -m bpdkv.cli router --config "$R/etc/bpdkv/router-0.router.yaml" --log-level warning > /tmp/router.log 2>&1 < /dev/null &
   sleep 3; curl -sf localhost:8000/ready; echo
   grep -h "bpdkv\|Backend\|UCX\|cuda_ipc" /tmp/prefill-0.log | head -5 || true
@@ -37,7 +53,10 @@ JSON
 elif [ "$cmd" = bench ]; then
   name=$1; shift
   mkdir -p "$OUT"
+  curl -s localhost:8000/metrics | grep "^bpdkv_router_upstream_seconds_\|^bpdkv_router_ttft_seconds_" > "$OUT/$name.router-before.txt" || true
   python3 -m bpdkv.cli bench http://127.0.0.1:8000 --metrics http://127.0.0.1:8100 --metrics http://127.0.0.1:8200 --out "$OUT/$name.json" "$@" | tee "$OUT/$name.txt"
+  curl -s localhost:8000/metrics | grep "^bpdkv_router_upstream_seconds_\|^bpdkv_router_ttft_seconds_" > "$OUT/$name.router-after.txt" || true
   curl -s localhost:8100/metrics | grep -E "^vllm:(prompt_tokens_by_source|nixl_|bpdkv_)" > "$OUT/$name.prefill-metrics.txt" || true
+  curl -s localhost:8200/metrics | grep -E "^vllm:(prompt_tokens_by_source|nixl_|bpdkv_)" > "$OUT/$name.decode-metrics.txt" || true
   tail -n 30 /tmp/prefill-0.log > "$OUT/$name.prefill.log"; tail -n 30 /tmp/decode-0.log > "$OUT/$name.decode.log"; tail -n 30 /tmp/router.log > "$OUT/$name.router.log"
 fi
