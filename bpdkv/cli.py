@@ -500,6 +500,7 @@ def destroy(topology: str, yes: bool, keep_packages: bool, accept_new_host_keys:
 @click.option("--decode", "decode_url", help="D server URL (default: the topology's first decode instance).")
 @click.option("--model", default=None, help="Model name to send (default: the topology's served name).")
 @click.option("--sizes", default=None, help="Comma-separated N (tokens pulled); default: 1..64 blocks within max_model_len.")
+@click.option("--block-size", "block_size", type=click.IntRange(1), default=None, help="The servers' block size (default: the topology's).")
 @click.option("--repeat", default=3, show_default=True, type=click.IntRange(1, 100))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Write the measurements as JSON.")
@@ -516,6 +517,7 @@ def calibrate(
     decode_url: str | None,
     model: str | None,
     sizes: str | None,
+    block_size: int | None,
     repeat: int,
     seed: int,
     out_file: Path | None,
@@ -544,6 +546,7 @@ def calibrate(
         model = model or topo.model.served_name
         block, threshold, max_len = pi.block_size, topo.kv_transfer.kv_recompute_threshold, topo.model.max_model_len
         gpu = pn.accelerator == "gpu"
+    block = block_size or block
     if not prefill_url or not decode_url or not model:
         raise UsageError("give a TOPOLOGY, or --prefill URL --decode URL --model NAME")
     if sizes:

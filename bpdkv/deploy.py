@@ -215,6 +215,17 @@ def destroy(fleet: Fleet, ssh: SshOptions, parallel: int, progress: Progress | N
                 if isinstance(p, str) and p.startswith("/") and p.rstrip("/").count("/") >= 2
             ]
             if owned:
+                # Stragglers still running from the venv (e.g. multiprocessing helpers of a vLLM whose unit manager
+                # does not kill the whole cgroup) would keep the deleted files open: end them first, by executable path.
+                pattern = shlex.quote("^" + packages["venv"].rstrip("/") + "/bin/")
+                run(
+                    conn,
+                    node.name,
+                    f"pkill -TERM -f {pattern} 2>/dev/null; for i in 1 2 3 4 5; do pgrep -f {pattern} >/dev/null || break; sleep 1; done; "
+                    f"pkill -KILL -f {pattern} 2>/dev/null; true",
+                    ssh,
+                    check=False,
+                )
                 run(conn, node.name, "rm -rf " + " ".join(shlex.quote(p) for p in owned), ssh)
                 removed_packages = ", " + " and ".join(owned)
         run(conn, node.name, f"rmdir {dirs} 2>/dev/null; rm -rf /var/lib/bpdkv/backup; rm -f {MANIFEST_PATH}; true", ssh)

@@ -12,7 +12,7 @@ cmd=$1; shift
 start_pd() {
   R=/tmp/render/gpu-box
   for inst in prefill-0 decode-0; do
-    sed "s#^\. /etc/bpdkv/#. $R/etc/bpdkv/#; s#--block-size [0-9]*#--block-size ${BLOCK:-128}#" "$R/opt/bpdkv/bin/$inst.sh" > /tmp/$inst.sh
+    sed "s#^\. /etc/bpdkv/#. $R/etc/bpdkv/#; s#--block-size [0-9]*#--block-size ${BLOCK:-128}#; s#/tmp/qwen3-8b#${MODEL_DIR:-/tmp/qwen3-8b}#; s#--served-model-name qwen3-8b#--served-model-name ${MODEL_NAME:-qwen3-8b}#" "$R/opt/bpdkv/bin/$inst.sh" > /tmp/$inst.sh
     setsid timeout 3000 bash /tmp/$inst.sh > /tmp/$inst.log 2>&1 < /dev/null &
     echo $! > /tmp/$inst.pid
   done
@@ -30,7 +30,7 @@ if [ "$cmd" = restart ]; then
 elif [ "$cmd" = calibrate ]; then
   name=$1; shift
   mkdir -p "$OUT"
-  python3 -m bpdkv.cli calibrate --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --model qwen3-8b --out "$OUT/$name.json" --write-override "$OUT/$name.override.yaml" "$@" | tee "$OUT/$name.txt"
+  python3 -m bpdkv.cli calibrate --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --model "${MODEL_NAME:-qwen3-8b}" --block-size "${BLOCK:-128}" --out "$OUT/$name.json" --write-override "$OUT/$name.override.yaml" "$@" | tee "$OUT/$name.txt"
 elif [ "$cmd" = start ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-stage/4/*.whl .gpu-stage/5/*.whl
   mkdir -p /tmp/gpuvenv/bin /tmp/qwen3-8b
@@ -43,6 +43,9 @@ elif [ "$cmd" = start ]; then
  "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "torch_dtype": "bfloat16",
  "tie_word_embeddings": false, "hidden_act": "silu", "attention_bias": false, "bos_token_id": 151643, "eos_token_id": 151645}
 JSON
+  # Qwen3-32B shape (shared/notes/gpu.md's physical reference uses it); selected with MODEL_DIR=/tmp/qwen3-32b MODEL_NAME=qwen3-32b.
+  mkdir -p /tmp/qwen3-32b
+  sed 's/"hidden_size": 4096, "intermediate_size": 12288/"hidden_size": 5120, "intermediate_size": 25600/; s/"num_hidden_layers": 36, "num_attention_heads": 32/"num_hidden_layers": 64, "num_attention_heads": 64/' /tmp/qwen3-8b/config.json > /tmp/qwen3-32b/config.json
   python3 -m bpdkv.cli render benchmarks/gpu/h200x2-qwen3-8b-dummy.yaml --out /tmp/render
   R=/tmp/render/gpu-box
   start_pd

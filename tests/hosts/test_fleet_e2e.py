@@ -138,5 +138,6 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
             if "models" not in p.parts and (p.is_file() or p.is_symlink() or (p.is_dir() and not p.name.endswith(".wants")))
         ]
         assert left == [], left
-        assert lab.exec(host, "pgrep -f /opt/bpdkv/venv/bin/python || true").stdout.strip() == ""
+        # "[/]" keeps the pattern from matching the shell that runs pgrep.
+        assert lab.exec(host, "pgrep -af '[/]opt/bpdkv/venv/bin/' || true").stdout.strip() == ""
     shutil.rmtree(lab.hosts[0].fs / "opt/bpdkv/models", ignore_errors=True)
