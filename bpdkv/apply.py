@@ -18,6 +18,7 @@ from typing import Any
 
 from fabric import Connection
 
+from bpdkv import efa
 from bpdkv.bootstrap import SOURCE_MARKER, check_installed, install_command, source_digest
 from bpdkv.plan import HostPlan, Plan, UnitAction, manifest_for
 from bpdkv.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts, RemoteError, SshOptions, run
@@ -242,6 +243,12 @@ class Executor:
         failure = health_gate(hp.address, u.port, timeout)
         if failure:
             return f"health gate failed after {timeout:g}s ({failure})"
+        node = next(n for n in self.topology.nodes if n.name == hp.host)
+        if node.efa_devices > 0 and u.role in ("prefill", "decode") and self.topology.kv_transfer.backend == "LIBFABRIC":
+            problem = efa.check_log(self.last_log_lines(hp, u.unit, n=3000))
+            if problem:
+                return f"EFA check failed: {problem}"
+            self.progress(hp.host, f"{u.unit}: NIXL uses LIBFABRIC on EFA")
         self.outcomes[hp.host].units_restarted.append(u.unit)
         return None
 
