@@ -55,9 +55,15 @@ def stream_shape(raw: str) -> dict[str, Any]:
     consumed yet into one chunk (two runs of one unpatched server split the same 24 tokens into 14 or 26 chunks)."""
     events = [json.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
     content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
-    shapes = sorted({json.dumps([sorted(e), [sorted(c) for c in e["choices"]]]) for e in events})  # the keys of each chunk
+    # Which keys the chunks carry (top level, choices, deltas): merging two chunks keeps their keys, so this does not
+    # depend on timing; an extra or missing field (e.g. kv_transfer_params) shows.
+    shapes = {
+        "top": sorted({k for e in events for k in e}),
+        "choice": sorted({k for e in events for c in e["choices"] for k in c}),
+        "delta": sorted({k for e in events for c in e["choices"] for k in (c.get("delta") or {})}),
+    }
     last = dict(events[-1], choices=[{k: v for k, v in c.items() if k != "delta"} for c in events[-1]["choices"]])
-    return {"content": content, "chunk_shapes": shapes, "last_chunk": last, "ends_with_done": raw.endswith("data: [DONE]\n\n")}
+    return {"content": content, "keys": shapes, "last_chunk": last, "ends_with_done": raw.endswith("data: [DONE]\n\n")}
 
 
 def normalized_stream(url: str, body: dict[str, Any]) -> str:

@@ -114,6 +114,21 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
     assert [r["pulled_tokens"] for r in cal["sizes"]] == [64, 256, 512]
     assert cal["recommended_threshold"] is None or cal["recommended_threshold"] % 32 == 0
 
+    # `bpdkv bench` against the real fleet (small sizes): reuse on pulls from D, reuse off does not; JSON + PNG.
+    bench_json, bench_png = report.with_name("bpdkv-fleet-bench.json"), report.with_name("bpdkv-fleet-bench.png")
+    benched = bpdkv(
+        "bench", str(EXAMPLE), "--conversations", "2", "--turns", "3", "--system-tokens", "100", "--new-tokens", "20",
+        "--output-tokens", "8", "--concurrency", "2", "--reuse", "both", "--prefill-cache", "off",
+        "--out", str(bench_json), "--plot", str(bench_png), timeout=600,
+    )  # fmt: skip
+    assert benched.returncode == 0, benched.stdout[-2000:] + benched.stderr[-2000:]
+    runs = {r["label"]: r for r in json.loads(bench_json.read_text())["runs"]}
+    assert set(runs) == {"reuse-on/prefill-cache-off", "reuse-off/prefill-cache-off"}
+    assert all(r["requests"] == 6 and r["errors"] == 0 for r in runs.values())
+    pulled = {label: r["servers"][PREFILL]["external_tokens"] for label, r in runs.items()}
+    assert pulled["reuse-on/prefill-cache-off"] > 0 and pulled["reuse-off/prefill-cache-off"] == 0, pulled
+    assert bench_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     # A crashed decode unit: status says so, apply brings it back.
     # The whole process tree, as the kernel's OOM killer + systemd's cgroup clean-up would leave it (the unit
     # manager on test hosts has no cgroups, so an orphaned engine core would keep D's NIXL side-channel port).
