@@ -106,3 +106,13 @@ def test_profiles_list_and_show() -> None:
     assert shown.exit_code == 0 and "efa_devices: 16" in shown.output and "#" in shown.output
     missing = CliRunner().invoke(main, ["profiles", "show", "p5en"])
     assert missing.exit_code == 1 and "unknown profile" in missing.output
+
+
+def test_demo_without_root_explains_and_shows_the_offline_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bpdkv.demo
+
+    monkeypatch.setattr(bpdkv.demo.os, "geteuid", lambda: 1000)
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code == 0, result.output
+    assert "the live demo cannot run here: test hosts need root" in result.output
+    assert "plan for topology local-cpu" in result.output and "install package bpdkv" in result.output
