@@ -25,6 +25,7 @@ from bpdkv.remote import NODE_WHEELHOUSE
 from bpdkv.topology.model import Node, Topology
 
 SOURCE_MARKER = ".bpdkv-source"  # in the venv: the source digest of the bpdkv installed there
+CREATED_MARKER = ".bpdkv-created"  # in the venv: bootstrap made it, so destroy may remove it (never a user's own venv)
 BASE_PTH = "bpdkv-base-venv.pth"  # in the venv's site-packages: the base environment's site-packages
 WHEELHOUSE_MANIFEST = "bpdkv-wheelhouse.json"
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -140,14 +141,14 @@ def install_command(topology: Topology, node: Node, bpdkv_wheel: str, offline: b
     if b.base_venv and needs_vllm(node):
         base_py = shlex.quote(b.base_venv + "/bin/python")
         # The venv's interpreter is the base's, so its compiled packages match; a .pth file makes them importable.
-        lines.append(f"[ -x {venv}/bin/python ] || {base_py} -m venv {venv}")
+        lines.append(f"[ -x {venv}/bin/python ] || {{ {base_py} -m venv {venv} && touch {venv}/{CREATED_MARKER}; }}")
         lines.append(
             f"{venv}/bin/python -c 'import sysconfig,sys;print(sysconfig.get_paths()[\"purelib\"])' > /tmp/.bpdkv-site.$$ "
             f'&& {base_py} -c \'import sysconfig;print(sysconfig.get_paths()["purelib"])\' > "$(cat /tmp/.bpdkv-site.$$)/{BASE_PTH}" '
             "&& rm -f /tmp/.bpdkv-site.$$"
         )
     else:
-        lines.append(f"[ -x {venv}/bin/python ] || {shlex.quote(b.python)} -m venv {venv}")
+        lines.append(f"[ -x {venv}/bin/python ] || {{ {shlex.quote(b.python)} -m venv {venv} && touch {venv}/{CREATED_MARKER}; }}")
     pip = f"{venv}/bin/python -m pip install -q --disable-pip-version-check --no-input"
     source = f"--no-index --find-links {NODE_WHEELHOUSE}" if offline else ""
     reqs = [] if (b.base_venv or not needs_vllm(node)) else vllm_requirements(topology)

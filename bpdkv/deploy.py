@@ -12,7 +12,7 @@ from typing import Any
 from fabric import Connection
 
 from bpdkv.apply import ApplyOptions, Executor, HostOutcome, PackageSource, Progress, execute, health_gate, stop_and_disable
-from bpdkv.bootstrap import Wheelhouse, build_bpdkv_wheel
+from bpdkv.bootstrap import CREATED_MARKER, Wheelhouse, build_bpdkv_wheel
 from bpdkv.errors import BpdkvError
 from bpdkv.plan import Plan, empty_facts, make_plan
 from bpdkv.remote import MANIFEST_PATH, HostFacts, RemoteError, SshOptions, connect, for_each_host, gather_facts, run
@@ -226,8 +226,12 @@ def destroy(fleet: Fleet, ssh: SshOptions, parallel: int, progress: Progress | N
                     ssh,
                     check=False,
                 )
-                run(conn, node.name, "rm -rf " + " ".join(shlex.quote(p) for p in owned), ssh)
-                removed_packages = ", " + " and ".join(owned)
+                # The venv only if the bootstrap created it (a venv the user pointed vllm.venv at stays).
+                script = [f"rm -rf {shlex.quote(p)}" for p in owned if p != packages.get("venv")]
+                venv = shlex.quote(packages["venv"])
+                script.append(f"if [ -f {venv}/{CREATED_MARKER} ]; then rm -rf {venv}; else echo kept; fi")
+                _, said, _ = run(conn, node.name, "; ".join(script), ssh)
+                removed_packages = ", " + " and ".join(p for p in owned if p != packages.get("venv") or "kept" not in said)
         run(conn, node.name, f"rmdir {dirs} 2>/dev/null; rm -rf /var/lib/bpdkv/backup; rm -f {MANIFEST_PATH}; true", ssh)
         return f"removed {len(paths)} file(s), {len(manifest.get('units', []))} unit(s){removed_packages}"
 

