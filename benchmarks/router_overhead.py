@@ -16,13 +16,14 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bpdkv.testing.processes import stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK = os.sysconf("SC_CLK_TCK")
@@ -68,13 +69,7 @@ class Proc:
         self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(10)
+        stop_group(self.popen, grace=10)
 
 
 def start_router(urls: dict[str, str], port: int, *extra: str) -> Proc:

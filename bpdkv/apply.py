@@ -23,7 +23,7 @@ from bpdkv.bootstrap import SOURCE_MARKER, check_installed, install_command, sou
 from bpdkv.plan import HostPlan, Plan, UnitAction, manifest_for
 from bpdkv.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts, RemoteError, SshOptions, run
 from bpdkv.render import Artifact
-from bpdkv.topology.model import Topology
+from bpdkv.topology.model import Node, Topology
 
 BACKUP_DIR = "/var/lib/bpdkv/backup"
 STATE_DIR = "/var/lib/bpdkv"
@@ -127,6 +127,9 @@ class Executor:
         self.packages = packages
         self.node_facts = node_facts or {}
 
+    def node(self, hp: HostPlan) -> Node:
+        return next(n for n in self.topology.nodes if n.name == hp.host)
+
     # ---- phases ----------------------------------------------------------------------------------------------
     def install_packages(self, hp: HostPlan) -> None:
         """Bootstrap: push missing wheels, make/upgrade the venv, install, verify imports and versions, record bpdkv."""
@@ -135,7 +138,7 @@ class Executor:
         if self.packages is None:
             raise RemoteError(hp.host, "packages must be installed but no package source was prepared")
         conn = self.conns[hp.host]
-        node = next(n for n in self.topology.nodes if n.name == hp.host)
+        node = self.node(hp)
         facts = self.node_facts.get(hp.host)
         have = facts.wheelhouse if facts else {}
         run(conn, hp.host, f"mkdir -p {NODE_WHEELHOUSE}", self.options.ssh)
@@ -243,7 +246,7 @@ class Executor:
         failure = health_gate(hp.address, u.port, timeout)
         if failure:
             return f"health gate failed after {timeout:g}s ({failure})"
-        node = next(n for n in self.topology.nodes if n.name == hp.host)
+        node = self.node(hp)
         if node.efa_devices > 0 and u.role in ("prefill", "decode") and self.topology.kv_transfer.backend == "LIBFABRIC":
             problem = efa.check_log(self.last_log_lines(hp, u.unit, n=3000))
             if problem:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,6 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from bpdkv.testing.processes import stop_group
 
 VLLM_PYTHON = Path(os.environ.get("BPDKV_VLLM_PYTHON", "/opt/bpdkv-ci/vllm-venv/bin/python"))
 MODEL_DIR = Path(os.environ.get("BPDKV_TINY_MODEL", "/var/cache/bpdkv/tiny-cpu"))
@@ -135,13 +136,7 @@ class VllmServer:
         return total / 1024
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc, grace=30)
 
 
 @pytest.fixture(scope="session")

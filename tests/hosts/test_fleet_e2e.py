@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from bpdkv.bench.runner import metric_value
-from bpdkv.demo import QUESTIONS, SYSTEM, build_tiny_model, chat, chat_turn, place_model
+from bpdkv.demo import build_tiny_model, chat, place_model
 from bpdkv.testing.testhosts import TestHosts
 from tests.conftest import ROOT
 from tests.hosts.conftest import wipe
@@ -63,14 +63,8 @@ def reference_texts() -> list[str]:
     server = VllmServer("reference", logs, None, plugins=False, model=MODEL_CACHE)
     try:
         server.wait()
-        texts = []
-        messages = [{"role": "system", "content": SYSTEM}]
-        for i in range(TURNS):
-            messages.append({"role": "user", "content": QUESTIONS[i]})
-            text, _, _ = chat_turn(server.url, {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0}, {})
-            texts.append(text)
-            messages.append({"role": "assistant", "content": text})
-        return texts
+        # The same driver as the fleet's turns, straight to the server (no P metrics to read: no P/D).
+        return [t.text for t in chat(server.url, [], "tiny", turns=TURNS, prefill_cache=True)]
     finally:
         server.stop()
 
