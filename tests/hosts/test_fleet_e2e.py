@@ -18,7 +18,7 @@ import pytest
 
 from bpdkv.bench.runner import metric_value
 from bpdkv.demo import build_tiny_model, chat, place_model
-from bpdkv.testing.testhosts import TestHosts
+from bpdkv.lab.hosts import TestHosts
 from tests.conftest import ROOT
 from tests.hosts.conftest import wipe
 

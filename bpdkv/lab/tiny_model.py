@@ -1,4 +1,4 @@
-"""Build the tiny Qwen2-shaped test model locally (seeded, no downloads): `python -m bpdkv.testing.tiny_model DIR`.
+"""Build the tiny Qwen2-shaped test model locally (seeded, no downloads): `python -m bpdkv.lab.tiny_model DIR`.
 
 Needs torch, transformers and tokenizers (the vLLM venv has them). 2 layers, hidden 256, vocab 2048, a byte-level
 BPE tokenizer trained on generated text with Qwen2's pre-tokenizer split and a ChatML chat template, so

@@ -283,7 +283,7 @@ def _run(argv: list[str]) -> None:
         raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip()}")
 
 
-if __name__ == "__main__":  # manual use: python -m bpdkv.testing.testhosts up|down
+if __name__ == "__main__":  # manual use: python -m bpdkv.lab.hosts up|down
     lab = TestHosts()
     if sys.argv[1:] == ["down"]:
         lab.stop()
