@@ -176,8 +176,8 @@ def demo(turns: int, vllm_python: Path) -> None:
     why = can_run_locally()
     if why is not None:
         _yellow(f"the live demo cannot run here: {why}. Showing the offline plan of {example_path().name} instead.")
-        from bpdkv.deploy import load_fleet, plan_fleet
-        from bpdkv.remote import SshOptions
+        from bpdkv.deploy.fleet import load_fleet, plan_fleet
+        from bpdkv.deploy.remote import SshOptions
 
         fleet = load_fleet(str(example_path()))
         _print_plan(plan_fleet(fleet, True, SshOptions(), 1), show_diff=False)
@@ -200,7 +200,7 @@ def wheelhouse() -> None:
 @user_errors
 def wheelhouse_build(topology: str, out: Path, python_version: str | None, platform: str | None) -> None:
     """bpdkv's own wheel (built from this CLI) + every wheel the nodes of TOPOLOGY need (pip download)."""
-    from bpdkv.bootstrap import build_wheelhouse
+    from bpdkv.deploy.bootstrap import build_wheelhouse
 
     validated = _load(topology)
     house = build_wheelhouse(validated.topology, out, python_version, platform)
@@ -245,7 +245,7 @@ def profiles_show(name: str) -> None:
 
 
 def _ssh_options(accept_new_host_keys: bool, command_timeout: float) -> Any:
-    from bpdkv.remote import SshOptions
+    from bpdkv.deploy.remote import SshOptions
 
     return SshOptions(accept_new_host_keys=accept_new_host_keys, command_timeout=command_timeout)
 
@@ -300,7 +300,7 @@ def _print_plan(plan: Any, show_diff: bool = True) -> None:
                 console.print(f"  [bold]{u.action}[/] {u.unit} — {escape(u.reason)}")
     if plan.waves:
         console.print("order: " + " → ".join(f"{w['role']} ({len(w['units'])})" for w in plan.waves))
-    from bpdkv.deploy import plan_summary
+    from bpdkv.deploy.fleet import plan_summary
 
     s = plan_summary(plan)
     console.print(
@@ -329,7 +329,7 @@ def plan(
     """Show what apply would change: files (+ ~ -), daemon-reload, unit actions with reasons, order.
 
     Exit code: 0 no changes, 2 changes, 1 error (like terraform plan -detailed-exitcode)."""
-    from bpdkv.deploy import load_fleet, plan_fleet, save_plan
+    from bpdkv.deploy.fleet import load_fleet, plan_fleet, save_plan
 
     fleet = load_fleet(topology)
     try:
@@ -372,8 +372,8 @@ def apply(
     from rich.console import Console
     from rich.table import Table
 
-    from bpdkv.apply import ApplyOptions
-    from bpdkv.deploy import check_saved_plan, load_fleet, load_saved_plan, plan_fleet
+    from bpdkv.deploy.fleet import check_saved_plan, load_fleet, load_saved_plan, plan_fleet
+    from bpdkv.deploy.runner import ApplyOptions
 
     ssh = _ssh_options(accept_new_host_keys, command_timeout)
     saved = None
@@ -403,7 +403,7 @@ def apply(
         def progress(host: str, message: str) -> None:
             console.print(f"[dim]{host}[/]: {message}")
 
-        from bpdkv.deploy import apply_plan
+        from bpdkv.deploy.fleet import apply_plan
 
         outcomes = apply_plan(fleet, fresh, options, progress)
     finally:
@@ -433,8 +433,8 @@ def status(topology: str, output: str, accept_new_host_keys: bool, command_timeo
     from rich.console import Console
     from rich.table import Table
 
-    from bpdkv.deploy import load_fleet
-    from bpdkv.deploy import status as fleet_status
+    from bpdkv.deploy.fleet import load_fleet
+    from bpdkv.deploy.fleet import status as fleet_status
 
     fleet = load_fleet(topology)
     try:
@@ -473,8 +473,8 @@ def status(topology: str, output: str, accept_new_host_keys: bool, command_timeo
 @user_errors
 def destroy(topology: str, yes: bool, keep_packages: bool, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
     """Stop and disable bpdkv's units, remove exactly the files in each host's manifest and the bootstrap's venv."""
-    from bpdkv.deploy import destroy as fleet_destroy
-    from bpdkv.deploy import load_fleet
+    from bpdkv.deploy.fleet import destroy as fleet_destroy
+    from bpdkv.deploy.fleet import load_fleet
 
     if not yes:
         if not sys.stdin.isatty():

@@ -147,11 +147,11 @@ def place_model(model_dir: Path, host_fs: Path, target: str) -> None:
 
 def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> int:
     """The whole demo; returns the exit code. Everything it starts is torn down on the way out."""
-    from bpdkv.apply import ApplyOptions
-    from bpdkv.bootstrap import BootstrapError, Wheelhouse, build_wheelhouse
-    from bpdkv.deploy import apply_plan, destroy, load_fleet, plan_fleet, plan_summary, wheelhouse_path
+    from bpdkv.deploy.bootstrap import BootstrapError, Wheelhouse, build_wheelhouse
+    from bpdkv.deploy.fleet import apply_plan, destroy, load_fleet, plan_fleet, plan_summary, wheelhouse_path
+    from bpdkv.deploy.remote import SshOptions
+    from bpdkv.deploy.runner import ApplyOptions
     from bpdkv.lab.hosts import TestHosts
-    from bpdkv.remote import SshOptions
 
     example = example_path()
     if not base_python.exists():

@@ -154,8 +154,8 @@ def test_sshd_killed_mid_upload_leaves_no_half_written_file(hosts, tmp_path: Pat
     import threading
     import time
 
-    from bpdkv.apply import _put_atomic
-    from bpdkv.remote import RemoteError, SshOptions, connect
+    from bpdkv.deploy.remote import RemoteError, SshOptions, connect
+    from bpdkv.deploy.runner import _put_atomic
     from bpdkv.topology.loader import load_topology
 
     topo = write_topology(tmp_path / "t.yaml", topology_doc(hosts))

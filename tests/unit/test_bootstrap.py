@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bpdkv import __version__
-from bpdkv.bootstrap import (
+from bpdkv.deploy.bootstrap import (
     WHEELHOUSE_MANIFEST,
     BootstrapError,
     Wheelhouse,

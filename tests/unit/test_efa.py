@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bpdkv.efa import check_log
+from bpdkv.deploy.efa import check_log
 
 OK = """(EngineCore pid=1192) INFO 11-30 04:00:48 [base_worker.py:861] Detected attention backend(s) ['FLASH_ATTN']
 (EngineCore pid=1192) 2026-11-30 04:00:48 NIXL INFO    _api.py:405 Backend LIBFABRIC was instantiated

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from bpdkv.bootstrap import source_digest, wanted_versions
-from bpdkv.plan import compat_fingerprint, make_plan
-from bpdkv.remote import HostFacts
+from bpdkv.deploy.bootstrap import source_digest, wanted_versions
+from bpdkv.deploy.planner import compat_fingerprint, make_plan
+from bpdkv.deploy.remote import HostFacts
 from bpdkv.render import render_topology
 from bpdkv.topology.loader import load_topology
 from tests.conftest import DATA, ROOT
@@ -121,14 +121,14 @@ def test_plan_json_matches_schema(path: Path) -> None:
 
 
 def test_secrets_redacted_in_diffs() -> None:
-    from bpdkv.plan import _diff
+    from bpdkv.deploy.planner import _diff
 
     diff = _diff("h", "/etc/bpdkv/x.env", "HF_TOKEN=old-secret\nA=1\n", "HF_TOKEN=new-secret\nA=2\n", secret=True)
     assert "secret" not in diff and "HF_TOKEN=<redacted>" in diff and "+A=2" in diff
 
 
 def test_offline_plan_creates_everything() -> None:
-    from bpdkv.plan import empty_facts
+    from bpdkv.deploy.planner import empty_facts
 
     topology = load_topology(ROOT / "examples" / "p5en-qwen3-32b.yaml").topology
     arts = render_topology(topology)

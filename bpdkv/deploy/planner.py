@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bpdkv import __version__
-from bpdkv.bootstrap import PackageChange, package_changes
-from bpdkv.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
+from bpdkv.deploy.bootstrap import PackageChange, package_changes
+from bpdkv.deploy.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
 from bpdkv.render import Artifact
 from bpdkv.topology.model import Topology
 

@@ -11,11 +11,11 @@ from typing import Any
 
 from fabric import Connection
 
-from bpdkv.apply import ApplyOptions, Executor, HostOutcome, PackageSource, Progress, execute, health_gate, stop_and_disable
-from bpdkv.bootstrap import CREATED_MARKER, Wheelhouse, build_bpdkv_wheel
+from bpdkv.deploy.bootstrap import CREATED_MARKER, Wheelhouse, build_bpdkv_wheel
+from bpdkv.deploy.planner import Plan, empty_facts, make_plan
+from bpdkv.deploy.remote import MANIFEST_PATH, HostFacts, RemoteError, SshOptions, connect, for_each_host, gather_facts, run
+from bpdkv.deploy.runner import ApplyOptions, Executor, HostOutcome, PackageSource, Progress, execute, health_gate, stop_and_disable
 from bpdkv.errors import BpdkvError
-from bpdkv.plan import Plan, empty_facts, make_plan
-from bpdkv.remote import MANIFEST_PATH, HostFacts, RemoteError, SshOptions, connect, for_each_host, gather_facts, run
 from bpdkv.render import Artifact, render_topology
 from bpdkv.topology.loader import ValidatedTopology, load_topology
 from bpdkv.topology.model import Node, Topology

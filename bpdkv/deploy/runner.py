@@ -18,10 +18,10 @@ from typing import Any
 
 from fabric import Connection
 
-from bpdkv import efa
-from bpdkv.bootstrap import SOURCE_MARKER, check_installed, install_command, source_digest
-from bpdkv.plan import HostPlan, Plan, UnitAction, manifest_for
-from bpdkv.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts, RemoteError, SshOptions, run
+from bpdkv.deploy import efa
+from bpdkv.deploy.bootstrap import SOURCE_MARKER, check_installed, install_command, source_digest
+from bpdkv.deploy.planner import HostPlan, Plan, UnitAction, manifest_for
+from bpdkv.deploy.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts, RemoteError, SshOptions, run
 from bpdkv.render import Artifact
 from bpdkv.topology.model import Node, Topology
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bpdkv import __version__
+from bpdkv.deploy.remote import NODE_WHEELHOUSE
 from bpdkv.errors import BpdkvError
-from bpdkv.remote import NODE_WHEELHOUSE
 from bpdkv.topology.model import Node, Topology
 
 SOURCE_MARKER = ".bpdkv-source"  # in the venv: the source digest of the bpdkv installed there
