@@ -11,7 +11,7 @@ from typing import Any
 import jinja2
 import yaml
 
-from bpdkv import __version__
+from bpdkv import __version__, contracts
 from bpdkv.errors import RenderError
 from bpdkv.resources import templates_dir
 from bpdkv.topology.model import Instance, Node, Topology
@@ -141,9 +141,9 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         "expiry_margin": r.ttl_margin,
         "reuse": r.reuse and topology.kv_transfer.bidirectional,
         "api_keys_file": r.api_keys_file,
-        "backend_api_key_env": "BPDKV_BACKEND_API_KEY",
-        "timeouts": {"connect": 5, "prefill": 600, "decode_first_byte": 600, "decode_idle": 300},
-        "health": {"interval": 5, "failures_to_eject": 3, "backoff_max": 60},
+        "backend_api_key_env": contracts.ROUTER_DEFAULTS["backend_api_key_env"],
+        "timeouts": dict(contracts.ROUTER_TIMEOUT_DEFAULTS),
+        "health": dict(contracts.ROUTER_HEALTH_DEFAULTS),
     }
 
 

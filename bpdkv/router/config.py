@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import yaml
 from jsonschema import Draft202012Validator
 
+from bpdkv.contracts import ROUTER_DEFAULTS, ROUTER_HEALTH_DEFAULTS, ROUTER_TIMEOUT_DEFAULTS
 from bpdkv.errors import BpdkvError
 from bpdkv.resources import schemas_dir
 
@@ -26,36 +28,45 @@ class UpstreamSpec:
 
 @dataclass(frozen=True)
 class Timeouts:
-    connect: float = 5.0
-    prefill: float = 600.0
-    decode_first_byte: float = 600.0
-    decode_idle: float = 300.0
+    connect: float = ROUTER_TIMEOUT_DEFAULTS["connect"]
+    prefill: float = ROUTER_TIMEOUT_DEFAULTS["prefill"]
+    decode_first_byte: float = ROUTER_TIMEOUT_DEFAULTS["decode_first_byte"]
+    decode_idle: float = ROUTER_TIMEOUT_DEFAULTS["decode_idle"]
 
 
 @dataclass(frozen=True)
 class HealthSettings:
-    interval: float = 5.0
-    failures_to_eject: int = 3
-    backoff_max: float = 60.0
+    interval: float = ROUTER_HEALTH_DEFAULTS["interval"]
+    failures_to_eject: int = int(ROUTER_HEALTH_DEFAULTS["failures_to_eject"])
+    backoff_max: float = ROUTER_HEALTH_DEFAULTS["backoff_max"]
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     prefill: tuple[UpstreamSpec, ...]
     decode: tuple[UpstreamSpec, ...]
-    listen: str = "127.0.0.1"
-    port: int = 8000
+    listen: str = ROUTER_DEFAULTS["listen"]
+    port: int = ROUTER_DEFAULTS["port"]
     model: str | None = None
-    state: str = "memory"
-    session_identity: str = "auto"
-    session_ttl: float = 470.0
-    expiry_margin: float = 10.0
-    reuse: bool = True
+    state: str = ROUTER_DEFAULTS["state"]
+    session_identity: str = ROUTER_DEFAULTS["session_identity"]
+    session_ttl: float = ROUTER_DEFAULTS["session_ttl"]
+    expiry_margin: float = ROUTER_DEFAULTS["expiry_margin"]
+    reuse: bool = ROUTER_DEFAULTS["reuse"]
     api_keys_file: str | None = None
-    backend_api_key_env: str | None = "BPDKV_BACKEND_API_KEY"
+    backend_api_key_env: str | None = ROUTER_DEFAULTS["backend_api_key_env"]
     timeouts: Timeouts = field(default_factory=Timeouts)
     health: HealthSettings = field(default_factory=HealthSettings)
     topology: str | None = None
+    workers: int | str = ROUTER_DEFAULTS["workers"]  # N or "auto" (= the node's cores)
+    max_body_bytes: int = ROUTER_DEFAULTS["max_body_bytes"]
+    max_json_depth: int = ROUTER_DEFAULTS["max_json_depth"]
+    admin_key_file: str | None = ROUTER_DEFAULTS["admin_key_file"]
+
+    def worker_count(self) -> int:
+        if self.workers == "auto":
+            return max(1, os.cpu_count() or 1)
+        return max(1, int(self.workers))
 
 
 def _upstreams(items: list[Any], role: str) -> tuple[UpstreamSpec, ...]:
@@ -79,16 +90,20 @@ def config_from_dict(data: dict[str, Any], source: str = "router config") -> Rou
         listen=data["listen"],
         port=int(data["port"]),
         model=data.get("model"),
-        state=data.get("state", "memory"),
-        session_identity=data.get("session_identity", "auto"),
-        session_ttl=float(data.get("session_ttl", 470)),
-        expiry_margin=float(data.get("expiry_margin", 10)),
-        reuse=bool(data.get("reuse", True)),
+        state=data.get("state", ROUTER_DEFAULTS["state"]),
+        session_identity=data.get("session_identity", ROUTER_DEFAULTS["session_identity"]),
+        session_ttl=float(data.get("session_ttl", ROUTER_DEFAULTS["session_ttl"])),
+        expiry_margin=float(data.get("expiry_margin", ROUTER_DEFAULTS["expiry_margin"])),
+        reuse=bool(data.get("reuse", ROUTER_DEFAULTS["reuse"])),
         api_keys_file=data.get("api_keys_file"),
-        backend_api_key_env=data.get("backend_api_key_env", "BPDKV_BACKEND_API_KEY"),
+        backend_api_key_env=data.get("backend_api_key_env", ROUTER_DEFAULTS["backend_api_key_env"]),
         timeouts=Timeouts(**data.get("timeouts", {})),
         health=HealthSettings(**data.get("health", {})),
         topology=data.get("topology"),
+        workers=data.get("workers", ROUTER_DEFAULTS["workers"]),
+        max_body_bytes=int(data.get("max_body_bytes", ROUTER_DEFAULTS["max_body_bytes"])),
+        max_json_depth=int(data.get("max_json_depth", ROUTER_DEFAULTS["max_json_depth"])),
+        admin_key_file=data.get("admin_key_file"),
     )
 
 

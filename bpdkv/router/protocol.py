@@ -8,22 +8,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-# Turn 1 → P: ask P to prefill and keep the blocks for a remote decode.
-P_TEMPLATE: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from bpdkv import contracts as c
+from bpdkv.contracts import P_CACHE_HEADER, REUSE_HEADER, SESSION_FIELDS, SESSION_HEADER
 
-# Client fields that select a session explicitly; never forwarded to vLLM.
-SESSION_FIELDS = ("session_id", "conversation_id")
-SESSION_HEADER = "x-session-id"
-# Benchmark switches, per request: skip reuse (no lookup, no store), or give P a fresh cache_salt (emulates eviction on P).
-REUSE_HEADER = "x-bpdkv-reuse"  # "off"
-P_CACHE_HEADER = "x-bpdkv-prefill-cache"  # "off"
+__all__ = ["P_CACHE_HEADER", "P_TEMPLATE", "REUSE_HEADER", "SESSION_FIELDS", "SESSION_HEADER"]
+
+P_TEMPLATE: dict[str, Any] = c.prefill_template()  # turn 1 → P: prefill and keep the blocks for a remote decode
 
 
 def p_request(body: dict[str, Any], d_params: dict[str, Any] | None, fresh_salt: str | None = None) -> dict[str, Any]:
@@ -37,7 +27,7 @@ def p_request(body: dict[str, Any], d_params: dict[str, Any] | None, fresh_salt:
     req["stream"] = False
     req.pop("stream_options", None)
     req["n"] = 1
-    req["kv_transfer_params"] = copy.deepcopy(d_params) if d_params else dict(P_TEMPLATE)
+    req[c.KV_TRANSFER_PARAMS] = copy.deepcopy(d_params) if d_params else c.prefill_template()
     return req
 
 
@@ -64,9 +54,9 @@ def usable_d_params(params: Any) -> bool:
     """D's returned params are reusable only if they point at blocks P can pull."""
     return (
         isinstance(params, dict)
-        and params.get("do_remote_decode") is True
-        and bool(params.get("remote_block_ids"))
-        and params.get("remote_engine_id") is not None
+        and params.get(c.DO_REMOTE_DECODE) is True
+        and bool(params.get(c.REMOTE_BLOCK_IDS))
+        and params.get(c.REMOTE_ENGINE_ID) is not None
     )
 
 

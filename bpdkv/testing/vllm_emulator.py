@@ -27,6 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bpdkv import contracts
+
 # Engines of this process, by engine id: the emulated NIXL fabric.
 FABRIC: dict[str, VllmEmulator] = {}
 DECLINE_WITHIN = 5.0  # seconds: P declines reads this close to expiry (upstream behaviour)
@@ -282,7 +284,7 @@ class VllmEmulator:
             "transfer_mode": "pull",
         }
         if self.settings.relative_expiry:
-            params["remote_blocks_expires_in"] = ttl
+            params[contracts.REMOTE_BLOCKS_EXPIRES_IN] = ttl
         return params
 
     async def _stream(self, body: dict[str, Any], output: list[int], finish: str, chat: bool, params: dict[str, Any] | None):  # type: ignore[no-untyped-def]

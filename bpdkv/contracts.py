@@ -1,0 +1,74 @@
+"""Names shared on the wire and in the router config by the router, the vLLM node plugin, the renderer and the emulator.
+
+Standard library only: the plugin imports this inside vLLM's process. One place for each literal, so a rename
+cannot leave one side speaking an old name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+# ---- kv_transfer_params (vLLM NixlConnector, pull mode) -------------------------------------------------------------
+KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
+DO_REMOTE_DECODE: Final = "do_remote_decode"
+DO_REMOTE_PREFILL: Final = "do_remote_prefill"
+REMOTE_ENGINE_ID: Final = "remote_engine_id"
+REMOTE_BLOCK_IDS: Final = "remote_block_ids"
+REMOTE_REQUEST_ID: Final = "remote_request_id"
+REMOTE_HOST: Final = "remote_host"
+REMOTE_PORT: Final = "remote_port"
+REMOTE_NUM_TOKENS: Final = "remote_num_tokens"
+REMOTE_BLOCKS_EXPIRY_TIME: Final = "remote_blocks_expiry_time"  # upstream: holder's clock, not comparable across hosts
+REMOTE_PREFILL_CACHED_TOKENS: Final = "remote_prefill_cached_tokens"
+# Where to pull from: cleared when P must compute locally.
+REMOTE_LOCATION_KEYS: Final = (REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST, REMOTE_PORT)
+
+# bpdkv's own keys, added by the node plugin on D's returned params.
+REMOTE_BLOCKS_EXPIRES_IN: Final = "remote_blocks_expires_in"  # seconds left when D answered (clock-free, for the router)
+BLOCK_DIGESTS: Final = "bpdkv_block_digests"  # chained per-block token digests of D's sequence (hex)
+BLOCK_SIZE: Final = "bpdkv_block_size"
+EXPIRES_AT: Final = "bpdkv_expires_at"  # D's wall clock (epoch s) when its blocks are freed
+
+
+def prefill_template() -> dict[str, Any]:
+    """What the router sends P on a first turn: prefill for a remote decode, nothing to pull."""
+    return {
+        DO_REMOTE_DECODE: True,
+        DO_REMOTE_PREFILL: False,
+        REMOTE_ENGINE_ID: None,
+        REMOTE_BLOCK_IDS: None,
+        REMOTE_HOST: None,
+        REMOTE_PORT: None,
+    }
+
+
+# ---- HTTP headers and request fields (lower case: ASGI and aiohttp give lower-case names) ---------------------------
+SESSION_HEADER: Final = "x-session-id"
+SESSION_FIELDS: Final = ("session_id", "conversation_id")  # body fields naming a session; never forwarded to vLLM
+REQUEST_ID_HEADER: Final = "x-request-id"
+# Benchmark switches, per request: skip reuse (no lookup, no store), or give P a fresh cache_salt (emulates eviction).
+REUSE_HEADER: Final = "x-bpdkv-reuse"  # value "off"
+P_CACHE_HEADER: Final = "x-bpdkv-prefill-cache"  # value "off"
+SWITCH_OFF: Final = "off"
+
+# ---- router config (schemas/router.schema.json): keys written by render, read by the router --------------------------
+ROUTER_DEFAULTS: Final[dict[str, Any]] = {
+    "listen": "127.0.0.1",
+    "port": 8000,
+    "state": "memory",
+    "session_identity": "auto",
+    "session_ttl": 470.0,
+    "expiry_margin": 10.0,
+    "reuse": True,
+    "backend_api_key_env": "BPDKV_BACKEND_API_KEY",
+    "workers": 1,  # or "auto" = the node's cores
+    "max_body_bytes": 32 * 1024 * 1024,
+    "max_json_depth": 64,
+    "admin_key_file": None,
+}
+# Seconds (whole numbers, so the rendered YAML stays as people write it).
+ROUTER_TIMEOUT_DEFAULTS: Final[dict[str, float]] = {"connect": 5, "prefill": 600, "decode_first_byte": 600, "decode_idle": 300}
+ROUTER_HEALTH_DEFAULTS: Final[dict[str, float]] = {"interval": 5, "failures_to_eject": 3, "backoff_max": 60}
+# Redis the router node runs for itself when workers > 1 and the topology names no external Redis.
+LOCAL_REDIS_PORT: Final = 6390
+LOCAL_REDIS_URL: Final = f"redis://127.0.0.1:{LOCAL_REDIS_PORT}/0"
