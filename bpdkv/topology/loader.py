@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,12 +109,22 @@ def merge_presets(doc: LoadedDocument) -> tuple[Any, SourceMap, list[Diagnostic]
     return merged, source, errors
 
 
-def validate_document(doc: LoadedDocument) -> ValidatedTopology:
+# Resolves `node_groups` into `nodes` (bpdkv.deploy.inventory): injected, so the topology side stays free of network access.
+Inventory = Callable[[LoadedDocument], LoadedDocument]
+
+
+def validate_document(doc: LoadedDocument, inventory: Inventory | None = None) -> ValidatedTopology:
     if not isinstance(doc.data, dict):
         kind = type(doc.data).__name__
         raise InvalidTopology(
             [Diagnostic(f"top level must be a mapping (apiVersion, name, model, nodes, ...), got {kind}", file=doc.file, line=1, column=1)]
         )
+    if "node_groups" in doc.data:
+        if inventory is None:
+            raise InvalidTopology(
+                [_diag(doc.source, ("node_groups",), "node groups are resolved from EC2 only by `bpdkv inventory`, `plan` and `apply`")]
+            )
+        doc = inventory(doc)
     merged, source, errors = merge_presets(doc)
     errors += schema.validate(merged, source)
     if errors:
@@ -128,10 +139,10 @@ def validate_document(doc: LoadedDocument) -> ValidatedTopology:
     return ValidatedTopology(topology=topology, warnings=warnings, file=doc.file)
 
 
-def load_topology(path: Path | str, display: str | None = None) -> ValidatedTopology:
+def load_topology(path: Path | str, display: str | None = None, inventory: Inventory | None = None) -> ValidatedTopology:
     """Load and validate a topology file; raise InvalidTopology listing every problem."""
     p = Path(path)
-    return validate_document(load_yaml_file(p, display or str(path)))
+    return validate_document(load_yaml_file(p, display or str(path)), inventory)
 
 
 __all__ = ["Position", "ValidatedTopology", "load_topology", "validate_document", "deep_merge"]

@@ -93,6 +93,7 @@ class SshSpec:
     known_hosts: str
     jump_host: str | None
     connect_timeout: float
+    proxy_command: str | None = None  # OpenSSH ProxyCommand (e.g. AWS SSM); replaces jump_host when set
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ def _ssh(data: dict[str, Any], base: SshSpec | None = None) -> SshSpec:
         known_hosts=pick("known_hosts", "~/.ssh/known_hosts"),
         jump_host=pick("jump_host", None),
         connect_timeout=float(pick("connect_timeout", 10)),
+        proxy_command=pick("proxy_command", None),
     )
 
 

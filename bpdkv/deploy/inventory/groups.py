@@ -1,0 +1,290 @@
+"""Node groups → nodes: pure expansion of discovered machines into the document, plus the membership a saved plan keeps."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bpdkv.errors import BpdkvError, Diagnostic, InvalidTopology
+from bpdkv.topology import schema
+from bpdkv.topology.load import LoadedDocument, PathKey, SourceMap, format_path
+from bpdkv.topology.profiles import find_profile, list_profiles, suggest
+
+# Ansible aws_ec2 defaults, narrowed to what a node needs: SSH to the private address, name from the Name tag.
+DEFAULT_HOSTNAMES = ("private-ip-address",)
+DEFAULT_NAMES = ("tag:Name", "instance-id")
+_ATTRIBUTES = ("private-ip-address", "ip-address", "private-dns-name", "dns-name", "instance-id")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One discovered host. `instance_type` is None only for the placeholders `bpdkv validate` uses."""
+
+    instance_id: str
+    instance_type: str | None
+    private_ip: str | None
+    public_ip: str | None = None
+    private_dns: str | None = None
+    public_dns: str | None = None
+    tags: tuple[tuple[str, str], ...] = ()
+
+    def attribute(self, key: str) -> str | None:
+        """The value a `hostnames`/`names` entry (Ansible's names: private-ip-address, dns-name, tag:KEY, …) selects."""
+        if key.startswith("tag:"):
+            return dict(self.tags).get(key[4:]) or None
+        values = {
+            "private-ip-address": self.private_ip,
+            "ip-address": self.public_ip,
+            "private-dns-name": self.private_dns,
+            "dns-name": self.public_dns,
+            "instance-id": self.instance_id,
+        }
+        return values[key] or None
+
+
+@dataclass(frozen=True)
+class InventoryNode:
+    """A discovered machine as a node: what `bpdkv inventory` prints."""
+
+    name: str
+    group: str
+    instance_id: str
+    instance_type: str
+    preset: str
+    host: str  # SSH address (first available `hostnames` entry)
+    private_ip: str  # data-plane address
+    public_ip: str | None
+    dns_name: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    nodes: tuple[InventoryNode, ...]
+    groups: tuple[str, ...]
+
+    def membership(self) -> dict[str, list[str]]:
+        """Instance ids per group: what a saved plan records and apply compares."""
+        out: dict[str, list[str]] = {g: [] for g in self.groups}
+        for node in self.nodes:
+            out[node.group].append(node.instance_id)
+        return {g: sorted(ids) for g, ids in out.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"groups": self.membership(), "nodes": [n.to_json() for n in self.nodes]}
+
+
+class MembershipChanged(BpdkvError):
+    """The EC2 instances a saved plan was made for are no longer the ones the groups select."""
+
+
+def check_membership(saved: Mapping[str, Sequence[str]], current: Inventory) -> None:
+    """Refuse a saved plan whose groups now select other instances (one line per changed group)."""
+    now = current.membership()
+    changes = []
+    for group in sorted(set(saved) | set(now)):
+        before, after = set(saved.get(group, ())), set(now.get(group, ()))
+        if before != after:
+            added = ", ".join(f"+{i}" for i in sorted(after - before))
+            removed = ", ".join(f"-{i}" for i in sorted(before - after))
+            changes.append(f"group {group}: {' '.join(x for x in (added, removed) if x)}")
+    if changes:
+        raise MembershipChanged(f"EC2 group membership changed since the plan was saved ({'; '.join(changes)}); plan again")
+
+
+def _located(source: SourceMap, path: PathKey, message: str) -> Diagnostic:
+    pos = source.locate(path)
+    return Diagnostic(message, format_path(path), pos.file if pos else None, pos.line if pos else None, pos.column if pos else None)
+
+
+def group_problems(doc: LoadedDocument) -> list[Diagnostic]:
+    """Schema problems of `node_groups` alone: discovery needs well-formed selectors before it can ask EC2 anything."""
+    groups = doc.data.get("node_groups")
+    if not isinstance(groups, list):
+        return [_located(doc.source, ("node_groups",), "expected a list of node groups")]
+    out: list[Diagnostic] = []
+    for gi, group in enumerate(groups):
+        prefix: PathKey = ("node_groups", gi)
+        sub = SourceMap({p[2:]: pos for p, pos in doc.source.positions.items() if p[:2] == prefix})
+        for d in schema.validate(group, sub, "nodeGroup"):
+            path = format_path(prefix) + (("." + d.path) if d.path and not d.path.startswith("[") else d.path)
+            out.append(dataclasses.replace(d, path=path))
+    names = [g.get("name") for g in groups if isinstance(g, dict)]
+    for gi, name in enumerate(names):
+        if name in names[:gi]:
+            out.append(_located(doc.source, ("node_groups", gi, "name"), f"group name '{name}' is used twice; names must be unique"))
+    return out
+
+
+def dns_label(text: str) -> str:
+    """A tag value as a node name: lowercase letters, digits and '-', at most 63 characters."""
+    label = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return label[:63].rstrip("-")
+
+
+def _pick(machine: Machine, preferences: Sequence[str]) -> str | None:
+    for key in preferences:
+        value = machine.attribute(key)
+        if value:
+            return value
+    return None
+
+
+def expand_groups(doc: LoadedDocument, machines: Mapping[str, Sequence[Machine]]) -> tuple[LoadedDocument, Inventory]:
+    """Append one node per discovered machine to `nodes` (after the written ones), each with its group's layout.
+
+    Node names come from the group's `names` preference (made DNS-safe), instance names are prefixed with the node
+    name so they stay unique and stable when machines come and go. Every problem is reported at once."""
+    problems = group_problems(doc)
+    if problems:
+        raise InvalidTopology(problems)
+    data = dict(doc.data)
+    nodes = list(data.get("nodes") or [])
+    if not isinstance(data.get("nodes", []), list):
+        raise InvalidTopology([_located(doc.source, ("nodes",), "expected a list of nodes")])
+    source = SourceMap(dict(doc.source.positions))
+    errors: list[Diagnostic] = []
+    found: list[InventoryNode] = []
+    owner: dict[str, str] = {}
+    names_taken: dict[str, str] = {}
+    group_names: list[str] = []
+    presets = [p.name for p in list_profiles("hardware")]
+    for gi, group in enumerate(data["node_groups"]):
+        gname = group["name"]
+        group_names.append(gname)
+        where: PathKey = ("node_groups", gi)
+        ec2 = group["ec2"]
+        hostnames = ec2.get("hostnames", list(DEFAULT_HOSTNAMES))
+        name_prefs = list(ec2.get("names", list(DEFAULT_NAMES)))
+        if "instance-id" not in name_prefs:
+            name_prefs.append("instance-id")  # always a name, even when every tag is missing
+        selected = machines.get(gname, ())
+        if not selected:
+            errors.append(_located(doc.source, where + ("ec2", "filters"), "matched no running EC2 instance; check the filters and region"))
+        expected = group.get("instance_type")
+        rows = []
+        for m in selected:
+            label = next((dns_label(v) for v in (m.attribute(k) for k in name_prefs) if v and dns_label(v)), dns_label(m.instance_id))
+            rows.append((label, m))
+        for label, m in sorted(rows, key=lambda r: (r[0], r[1].instance_id)):
+            what = f"instance {m.instance_id} ({label})"
+            if m.instance_id in owner:
+                errors.append(_located(doc.source, where + ("ec2", "filters"), f"{what} is also selected by group {owner[m.instance_id]}"))
+                continue
+            owner[m.instance_id] = gname
+            if m.instance_type is not None and expected and m.instance_type != expected:
+                errors.append(
+                    _located(
+                        doc.source,
+                        where + ("instance_type",),
+                        f"{what} is {m.instance_type}, the group expects {expected}; narrow the filters (e.g. instance-type)",
+                    )
+                )
+                continue
+            if m.instance_type is not None and find_profile("hardware", m.instance_type) is None:
+                errors.append(
+                    _located(
+                        doc.source,
+                        where + ("ec2",),
+                        f"{what}: no hardware preset for instance type '{m.instance_type}'; "
+                        f"add profiles/hardware/{m.instance_type}.yaml or narrow the filters ({suggest(m.instance_type, presets)})",
+                    )
+                )
+                continue
+            host = _pick(m, hostnames)
+            if not m.private_ip:
+                errors.append(_located(doc.source, where + ("ec2",), f"{what} has no private IP address (the data-plane address)"))
+                continue
+            if host is None:
+                errors.append(_located(doc.source, where + ("ec2", "hostnames"), f"{what} has none of hostnames {', '.join(hostnames)}"))
+                continue
+            if label in names_taken:
+                errors.append(
+                    _located(
+                        doc.source,
+                        where + ("ec2", "names"),
+                        f"{what} and instance {names_taken[label]} both make node name '{label}'; tag them uniquely or use names: [instance-id]",
+                    )
+                )
+                continue
+            names_taken[label] = m.instance_id
+            k = len(nodes)
+            node = _node(group, label, host, m)
+            nodes.append(node)
+            for path, pos in doc.source.positions.items():
+                if path[:2] == where:
+                    source.positions[("nodes", k) + path[2:]] = pos
+            found.append(
+                InventoryNode(
+                    name=label,
+                    group=gname,
+                    instance_id=m.instance_id,
+                    instance_type=m.instance_type or "",
+                    preset=m.instance_type or "",
+                    host=host,
+                    private_ip=m.private_ip,
+                    public_ip=m.public_ip,
+                    dns_name=m.public_dns or m.private_dns,
+                )
+            )
+    if errors:
+        errors.sort(key=lambda d: (d.line or 0, d.column or 0))
+        raise InvalidTopology(errors)
+    data["nodes"] = nodes
+    return LoadedDocument(data, source, doc.file), Inventory(tuple(found), tuple(group_names))
+
+
+def _node(group: dict[str, Any], name: str, host: str, machine: Machine) -> dict[str, Any]:
+    instances = []
+    per_role: dict[str, int] = {}
+    for layout in group["instances"]:
+        inst = copy.deepcopy(layout)
+        k = per_role.get(inst["role"], 0)
+        per_role[inst["role"]] = k + 1
+        inst["name"] = f"{name}-{inst['name']}" if "name" in inst else f"{name}-{inst['role']}-{k}"
+        instances.append(inst)
+    node: dict[str, Any] = {"name": name, "host": host, "data_plane_address": machine.private_ip, "instances": instances}
+    if machine.instance_type is not None:
+        node["hardware"] = machine.instance_type
+    else:
+        # `validate` without EC2 and without instance_type: give the placeholder the GPUs its layout asks for.
+        node["gpus"] = max((g + 1 for i in instances for g in i.get("gpus", [])), default=0)
+    for key in ("env", "ssh"):
+        if key in group:
+            node[key] = copy.deepcopy(group[key])
+    return node
+
+
+def placeholder_machines(doc: LoadedDocument) -> dict[str, list[Machine]]:
+    """One documentation-range machine per group, with every attribute the group's preferences ask for."""
+    out: dict[str, list[Machine]] = {}
+    for gi, group in enumerate(doc.data["node_groups"]):
+        ec2 = group["ec2"]
+        keys = list(ec2.get("hostnames", DEFAULT_HOSTNAMES)) + list(ec2.get("names", DEFAULT_NAMES))
+        tags = tuple((k[4:], f"{group['name']}-example") for k in keys if k.startswith("tag:"))
+        out[group["name"]] = [
+            Machine(
+                instance_id=f"i-{gi:017x}",
+                instance_type=group.get("instance_type"),
+                private_ip=f"192.0.2.{10 + gi % 240}",  # RFC 5737 documentation addresses: never a real host
+                public_ip=f"198.51.100.{10 + gi % 240}",
+                private_dns=f"{group['name']}.example.invalid",
+                public_dns=f"{group['name']}.public.example.invalid",
+                tags=tags,
+            )
+        ]
+    return out
+
+
+def offline_inventory(doc: LoadedDocument) -> LoadedDocument:
+    """For `bpdkv validate`: each group as one placeholder machine, so its layout is checked without asking EC2."""
+    problems = group_problems(doc)
+    if problems:
+        raise InvalidTopology(problems)
+    return expand_groups(doc, placeholder_machines(doc))[0]
