@@ -25,8 +25,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from bpdkv.router import protocol, sessions
-from bpdkv.router.config import RouterConfig, load_api_keys
+from bpdkv.router.config import RouterConfig
 from bpdkv.router.metrics import RouterMetrics
+from bpdkv.router.security import KeyRing, redis_options
 from bpdkv.router.upstreams import Pool, Upstream, check_all, health_loop
 
 log = logging.getLogger("bpdkv.router")
@@ -122,9 +123,9 @@ class Router:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.store = store or sessions.make_store(config.state, clock)
+        self.store = store or sessions.make_store(config.state, clock, redis_options(config.state_password_file, config.state_ca_file))
         self.metrics = RouterMetrics()
-        self.api_keys = {hashlib.sha256(k.encode()).hexdigest(): k for k in load_api_keys(config.api_keys_file)}
+        self.api_keys = KeyRing.load(config.api_keys_file)  # digests only: no key is held in memory
         h = config.health
         self.prefill = Pool("prefill", [Upstream(u.name, u.url, "prefill") for u in config.prefill], h.failures_to_eject, h.backoff_max)
         self.decode = Pool("decode", [Upstream(u.name, u.url, "decode") for u in config.decode], h.failures_to_eject, h.backoff_max)
@@ -258,13 +259,11 @@ class Router:
         return None
 
     def _tenant(self, request: Request) -> str | None:
-        """None = rejected. Tenant is a hash of the API key: sessions never cross keys, keys never reach logs."""
+        """None = rejected. Tenant = the key's tenant name (or a hash of a pass-through key): sessions never cross
+        tenants, keys never reach logs or metric labels."""
         key = self._bearer(request)
         if self.api_keys:
-            if key is None:
-                return None
-            digest = hashlib.sha256(key.encode()).hexdigest()
-            return digest if digest in self.api_keys else None
+            return self.api_keys.tenant(key)
         return hashlib.sha256(key.encode()).hexdigest() if key else "anonymous"
 
     def _upstream_headers(self, request: Request) -> dict[str, str]:

@@ -62,6 +62,11 @@ class RouterConfig:
     max_body_bytes: int = ROUTER_DEFAULTS["max_body_bytes"]
     max_json_depth: int = ROUTER_DEFAULTS["max_json_depth"]
     admin_key_file: str | None = ROUTER_DEFAULTS["admin_key_file"]
+    # HTTPS and Redis credentials (bpdkv.router.security): files on the node, 0600 where secret.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    state_password_file: str | None = None
+    state_ca_file: str | None = None
 
     def worker_count(self) -> int:
         if self.workers == "auto":
@@ -104,6 +109,10 @@ def config_from_dict(data: dict[str, Any], source: str = "router config") -> Rou
         max_body_bytes=int(data.get("max_body_bytes", ROUTER_DEFAULTS["max_body_bytes"])),
         max_json_depth=int(data.get("max_json_depth", ROUTER_DEFAULTS["max_json_depth"])),
         admin_key_file=data.get("admin_key_file"),
+        tls_cert_file=data.get("tls_cert_file"),
+        tls_key_file=data.get("tls_key_file"),
+        state_password_file=data.get("state_password_file"),
+        state_ca_file=data.get("state_ca_file"),
     )
 
 
@@ -117,13 +126,3 @@ def load_config(path: Path) -> RouterConfig:
     if not isinstance(data, dict):
         raise RouterConfigError(f"{path}: expected a mapping")
     return config_from_dict(data, str(path))
-
-
-def load_api_keys(path: str | None) -> set[str]:
-    if not path:
-        return set()
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise RouterConfigError(f"{path}: cannot read API keys file: {exc.strerror or exc}") from None
-    return {line.strip() for line in lines if line.strip() and not line.strip().startswith("#")}

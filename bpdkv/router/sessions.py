@@ -204,10 +204,11 @@ class RedisStore:
 
     PREFIX = "bpdkv:s:"
 
-    def __init__(self, url: str, timeout: float = 0.25) -> None:
+    def __init__(self, url: str, timeout: float = 0.25, **options: Any) -> None:
         import redis.asyncio as aioredis
 
-        self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False)
+        # options: password / ssl_ca_certs (bpdkv.router.security.redis_options)
+        self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False, **options)
         self._timeout = timeout
 
     async def _call(self, coro: Any) -> Any:
@@ -250,7 +251,7 @@ class RedisStore:
             pass
 
 
-def make_store(state: str, clock: Callable[[], float] = time.time) -> SessionStore:
+def make_store(state: str, clock: Callable[[], float] = time.time, redis_options: dict[str, Any] | None = None) -> SessionStore:
     if state == "memory":
         return MemoryStore(clock=clock)  # expiry must be judged on the router's own clock
-    return RedisStore(state)
+    return RedisStore(state, **(redis_options or {}))
