@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from bpdkv.topology.load import PathKey
 from bpdkv.topology.model import Instance, Node, Topology
+from bpdkv.topology.vllm_args import owned_arg_problems
 
 # First vLLM release with bidirectional_kv_xfer in the NixlConnector.
 MIN_BIDIRECTIONAL_VLLM = (0, 21)
@@ -257,24 +258,12 @@ def side_channel_address(t: Topology) -> Iterator[Problem]:
 
 @rule
 def conflicting_args(t: Topology) -> Iterator[Problem]:
-    owned = {
-        "--block-size": "block_size",
-        "--kv-cache-dtype": "kv_cache_dtype",
-        "--kv-transfer-config": "kv_transfer",
-        "--tensor-parallel-size": "tp",
-        "-tp": "tp",
-        "--data-parallel-size": "dp",
-        "--port": "port",
-        "--max-model-len": "model.max_model_len",
-        "--served-model-name": "model.served_name",
-    }
+    """extra_args must not set what bpdkv renders, in any spelling vLLM's parser accepts (vllm_args.json)."""
     for source_path, args in [(("vllm", "extra_args"), t.vllm.extra_args)] + [
         (inst.path + ("extra_args",), inst.extra_args) for _, inst in t.instances() if inst.role != "router"
     ]:
-        for arg in args:
-            flag = arg.split("=", 1)[0]
-            if flag in owned:
-                yield Problem(source_path, f"'{flag}' is set by bpdkv; use the topology field '{owned[flag]}' instead")
+        for problem in owned_arg_problems(list(args)):
+            yield Problem(source_path + (problem.index,), problem.message, problem.severity)
 
 
 @rule

@@ -12,6 +12,7 @@ from bpdkv.errors import Diagnostic, InvalidTopology
 from bpdkv.topology import checks, schema
 from bpdkv.topology.load import LoadedDocument, PathKey, Position, SourceMap, format_path, load_yaml_file
 from bpdkv.topology.model import Topology, build_topology
+from bpdkv.topology.partial import valid_parts
 from bpdkv.topology.profiles import find_profile, list_profiles, load_profile, suggest
 
 # Keys a hardware preset may fill on a node; everything else in the preset is documentation.
@@ -128,7 +129,7 @@ def validate_document(doc: LoadedDocument, inventory: Inventory | None = None) -
     merged, source, errors = merge_presets(doc)
     errors += schema.validate(merged, source)
     if errors:
-        raise InvalidTopology(errors)
+        raise InvalidTopology(*_with_problems_of_valid_parts(merged, source, errors, doc.file))
     topology = build_topology(merged)
     problems = checks.run_checks(topology)
     errors = [_diag(source, p.path, p.message) for p in problems if p.severity == "error"]
@@ -137,6 +138,21 @@ def validate_document(doc: LoadedDocument, inventory: Inventory | None = None) -
     if errors:
         raise InvalidTopology(errors, warnings)
     return ValidatedTopology(topology=topology, warnings=warnings, file=doc.file)
+
+
+def _with_problems_of_valid_parts(
+    merged: Any, source: SourceMap, errors: list[Diagnostic], file: str
+) -> tuple[list[Diagnostic], list[Diagnostic]]:
+    """Schema errors plus the semantic problems of every part that passed the schema: all problems in one run."""
+    errors, warnings = list(errors), list[Diagnostic]()
+    parts = valid_parts(merged, errors)
+    if parts is not None and not schema.validate(parts.data, source):
+        for problem in checks.run_checks(build_topology(parts.data)):
+            path = parts.original(problem.path)
+            if not parts.explains(path):
+                (errors if problem.severity == "error" else warnings).append(_diag(source, path, problem.message, problem.severity))
+    errors.sort(key=lambda d: (d.file != file, d.line or 0, d.column or 0))
+    return errors, warnings
 
 
 def load_topology(path: Path | str, display: str | None = None, inventory: Inventory | None = None) -> ValidatedTopology:

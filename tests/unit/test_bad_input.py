@@ -138,3 +138,26 @@ def test_arbitrary_text_only_produces_errors(text: str) -> None:
         validate_document(parse_yaml(text, "fuzz.yaml"))
     except InvalidTopology as exc:
         assert exc.lines()
+
+
+def test_schema_errors_do_not_hide_semantic_errors() -> None:
+    """A bad instance, an unknown key and an unknown preset are reported together with the other parts' problems."""
+    joined = "\n".join(_errors("schema-and-semantic.yaml"))
+    for part in ("expected an integer", "GPU 9 does not exist", "'-dp'", "HTTP port 8000 collides", "unknown key 'colour'", "'nope'"):
+        assert part in joined
+    # The dropped parts produce no follow-on noise: node b (unknown preset) is not checked, prefill-0 (bad tp) neither.
+    assert "lists no GPUs" not in joined and "no decode instance" not in joined
+
+
+def test_dropped_instance_keeps_original_positions(tmp_path: Path) -> None:
+    bad = tmp_path / "t.yaml"
+    bad.write_text(
+        "apiVersion: bpdkv/v1\nname: t\nmodel: {id: m/x}\nnodes:\n  - name: a\n    host: h\n    hardware: generic-gpu\n"
+        "    instances:\n      - {role: prefill, gpus: [0], dp: 0}\n      - {role: decode, gpus: [0, 1], tp: 1}\n      - {role: router}\n"
+    )
+    with pytest.raises(InvalidTopology) as info:
+        load_topology(bad, "t.yaml")
+    lines = info.value.lines()
+    assert lines[0].startswith("t.yaml:9:") and "must be >= 1" in lines[0]
+    # decode-0 is the second item in the file even though the broken first one was dropped before checking.
+    assert any(line.startswith("t.yaml:10:") and "nodes[0].instances[1]" in line and "tp*dp" in line for line in lines)
