@@ -14,6 +14,7 @@ import yaml
 from bpdkv import __version__, contracts
 from bpdkv.errors import RenderError
 from bpdkv.resources import templates_dir
+from bpdkv.secrets import router_secret_files
 from bpdkv.topology.model import Instance, Node, Topology
 
 UNIT_DIR = "/etc/systemd/system"
@@ -144,6 +145,7 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         "backend_api_key_env": contracts.ROUTER_DEFAULTS["backend_api_key_env"],
         "timeouts": dict(contracts.ROUTER_TIMEOUT_DEFAULTS),
         "health": dict(contracts.ROUTER_HEALTH_DEFAULTS),
+        **router_secret_files(r, instance.name, CONFIG_DIR)[0],  # paths of key, password and TLS files
     }
 
 
@@ -181,6 +183,9 @@ def render_topology(topology: Topology) -> list[Artifact]:
                 config = router_config(topology, inst)
                 header = f"# Managed by bpdkv (topology {topology.name}): router {inst.name}. Schema: schemas/router.schema.json\n"
                 out.append(Artifact(node.name, config_path, 0o644, header + yaml.safe_dump(config, sort_keys=False), inst.name))
+                for path, mode, content in router_secret_files(topology.router, inst.name, CONFIG_DIR)[1]:
+                    if not any(a.host == node.name and a.path == path for a in out):  # the admin key: once per node
+                        out.append(Artifact(node.name, path, mode, content, inst.name, secret=True))
                 argv = [f"{topology.vllm.venv}/bin/bpdkv", "router", "--config", config_path]
                 env_items = sorted(dict(inst.env).items())
                 script = render("launch.sh.j2", node=node, instance=inst, argv_lines=argv_lines(argv), env_file=env_file)

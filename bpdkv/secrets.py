@@ -384,3 +384,45 @@ def plaintext_secret_findings(doc: Any, path: tuple[str | int, ...] = ()) -> Ite
                 f"{{secret: {{env: {example}}}}} (or file:, aws_secretsmanager:, ssm:; {DOCS})"
             ),
         )
+
+
+# ---- files on the router node ------------------------------------------------------------------------------------------
+# One admin key per fleet, at one path on every router node: apply reads it there to call the admin API.
+ADMIN_KEY_PATH = "/etc/bpdkv/router-admin.key"
+
+
+def router_secret_files(router: Any, instance: str, config_dir: str) -> tuple[dict[str, str], list[tuple[str, int, str]]]:
+    """Router config keys and the files (path, mode, content) that carry the router's secrets on its node.
+
+    Inbound API keys are written as digests (`[tenant] sha256:<hex>`): the node never holds them in the clear.
+    The admin key and the Redis password are written as they are (apply and redis-py need them). Unresolved
+    references (a plain `render`) write their placeholders.
+    """
+    from bpdkv.router.security import hashed_key_line
+
+    config: dict[str, str] = {}
+    files: list[tuple[str, int, str]] = []
+    if router.api_keys:
+        path = f"{config_dir}/{instance}.api-keys"
+        lines = [f"{t} {k}" if isinstance(k, SecretRef) else hashed_key_line(t, k) for t, k in router.api_keys]
+        files.append((path, 0o600, "# Managed by bpdkv: tenant and SHA-256 digest of each inbound API key\n" + "\n".join(lines) + "\n"))
+        config["api_keys_file"] = path
+    if router.admin_key:
+        files.append((ADMIN_KEY_PATH, 0o600, f"{router.admin_key}\n"))
+        config["admin_key_file"] = ADMIN_KEY_PATH
+    if router.redis_password:
+        path = f"{config_dir}/{instance}.redis-password"
+        files.append((path, 0o600, f"{router.redis_password}\n"))
+        config["state_password_file"] = path
+    if router.redis_ca_file:
+        config["state_ca_file"] = router.redis_ca_file
+    for field_name, suffix, mode in (("tls_cert", "crt", 0o644), ("tls_key", "key", 0o600)):
+        value = getattr(router, field_name)
+        if value is None:
+            continue
+        if isinstance(value, SecretRef | SecretValue):
+            path = f"{config_dir}/{instance}.tls.{suffix}"
+            files.append((path, mode, value if value.endswith("\n") else value + "\n"))
+            value = path
+        config[f"{field_name}_file"] = value
+    return config, files

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bpdkv.secrets import ADMIN_KEY_PATH, parse_ref
 from bpdkv.topology.load import PathKey
 
 Role = Literal["prefill", "decode", "router"]
@@ -83,6 +84,18 @@ class RouterSpec:
     ttl_margin: int
     api_keys_file: str | None
     reuse: bool
+    # Secret references (bpdkv.secrets): SecretRef placeholders until plan/apply resolves them.
+    api_keys: tuple[tuple[str, str], ...] = ()  # (tenant, key)
+    admin_key: str | None = None
+    redis_password: str | None = None
+    redis_ca_file: str | None = None
+    tls_cert: str | None = None  # a path on the router node, or a secret rendered to a file
+    tls_key: str | None = None
+
+    @property
+    def admin_key_file(self) -> str | None:
+        """Where render writes the admin key on router nodes (apply reads it there to call the admin API)."""
+        return ADMIN_KEY_PATH if self.admin_key else None
 
 
 @dataclass(frozen=True)
@@ -159,12 +172,22 @@ class Topology:
 
 
 def _env(mapping: dict[str, Any] | None) -> tuple[tuple[str, str], ...]:
-    out = []
+    out: list[tuple[str, str]] = []
     for key, value in (mapping or {}).items():
+        ref = parse_ref(value, f"env {key}")
+        if ref is not None:
+            out.append((str(key), ref))
+            continue
         if isinstance(value, bool):
             value = "1" if value else "0"
         out.append((str(key), str(value)))
     return tuple(out)
+
+
+def _ref(value: Any, where: str) -> Any:
+    """A secret reference becomes a SecretRef; a plain value (a path on the node) stays as written."""
+    ref = parse_ref(value, where)
+    return value if ref is None else ref
 
 
 def _merge_env(*layers: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
@@ -252,6 +275,12 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         ttl_margin=margin,
         api_keys_file=r.get("api_keys_file"),
         reuse=bool(r.get("reuse", True)),
+        api_keys=tuple((t, _ref(v, f"router.api_keys.{t}")) for t, v in r.get("api_keys", {}).items()),
+        admin_key=_ref(r.get("admin_key"), "router.admin_key"),
+        redis_password=_ref(r.get("redis_password"), "router.redis_password"),
+        redis_ca_file=r.get("redis_ca_file"),
+        tls_cert=_ref(r.get("tls", {}).get("cert"), "router.tls.cert"),
+        tls_key=_ref(r.get("tls", {}).get("key"), "router.tls.key"),
     )
     ssh = _ssh(doc.get("ssh", {}))
 

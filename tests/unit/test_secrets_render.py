@@ -1,0 +1,112 @@
+"""Secret references through load → model → render: placeholders without resolution, 0600 files with it."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bpdkv import secrets
+from bpdkv.render import render_topology
+from bpdkv.router.config import config_from_dict
+from bpdkv.router.security import KeyRing
+from bpdkv.secrets import Resolver, SecretError
+from bpdkv.topology.load import parse_yaml
+from bpdkv.topology.loader import validate_document
+
+HF = "hf_renderTest0123456789abcdefghij"
+TENANT_KEY = "sk-tenant-render-0123456789abcd"
+ADMIN = "admin-render-key-0123456789"
+REDIS_PW = "redis-render-pw-0123"
+
+
+def doc(tmp_path: Path) -> dict[str, Any]:
+    (tmp_path / "admin.key").write_text(ADMIN + "\n")
+    return {
+        "apiVersion": "bpdkv/v1",
+        "name": "secrets-render",
+        "profile": "tiny-cpu",
+        "vllm": {"env": {"HF_TOKEN": {"secret": {"env": "BPDKV_TEST_HF"}}, "PLAIN_SETTING": "1"}},
+        "router": {
+            "state": "rediss://redis.internal:6380/0",
+            "api_keys": {"team-a": {"secret": {"env": "BPDKV_TEST_TENANT"}}},
+            "admin_key": {"secret": {"file": str(tmp_path / "admin.key")}},
+            "redis_password": {"secret": {"env": "BPDKV_TEST_REDIS"}},
+            "redis_ca_file": "/etc/ssl/certs/redis-ca.pem",
+            "tls": {"cert": "/etc/ssl/router.crt", "key": {"secret": {"env": "BPDKV_TEST_TLS_KEY"}}},
+        },
+        "nodes": [
+            {"name": "a", "host": "10.0.0.1", "hardware": "cpu", "instances": [{"role": "prefill"}, {"role": "router"}]},
+            {"name": "b", "host": "10.0.0.2", "hardware": "cpu", "instances": [{"role": "decode"}]},
+        ],
+    }
+
+
+ENV = {
+    "BPDKV_TEST_HF": HF,
+    "BPDKV_TEST_TENANT": TENANT_KEY,
+    "BPDKV_TEST_REDIS": REDIS_PW,
+    "BPDKV_TEST_TLS_KEY": "-----BEGIN PRIVATE KEY-----\nnot-a-real-key-body\n-----END PRIVATE KEY-----",
+}
+
+
+def _topology(tmp_path: Path) -> Any:
+    return validate_document(parse_yaml(yaml.safe_dump(doc(tmp_path)), "t.yaml")).topology
+
+
+def test_plain_render_writes_placeholders_only(tmp_path: Path) -> None:
+    artifacts = render_topology(_topology(tmp_path))
+    text = "".join(a.content for a in artifacts)
+    for value in (HF, TENANT_KEY, ADMIN, REDIS_PW, "not-a-real-key-body"):
+        assert value not in text
+    env_file = next(a for a in artifacts if a.path.endswith("prefill-0.env"))
+    assert "HF_TOKEN='<secret:env:BPDKV_TEST_HF>'" in env_file.content
+
+
+def test_resolved_render_puts_values_only_in_0600_secret_files(tmp_path: Path) -> None:
+    topology = secrets.resolve_topology(_topology(tmp_path), Resolver(environ=ENV))
+    artifacts = render_topology(topology)
+    by_path = {a.path: a for a in artifacts}
+    holders = {a.path for a in artifacts if any(v in a.content for v in (HF, ADMIN, REDIS_PW, "not-a-real-key-body"))}
+    assert holders == {
+        "/etc/bpdkv/prefill-0.env",
+        "/etc/bpdkv/decode-0.env",
+        "/etc/bpdkv/router-admin.key",
+        "/etc/bpdkv/router-0.redis-password",
+        "/etc/bpdkv/router-0.tls.key",
+    }
+    assert all(by_path[p].mode == 0o600 and by_path[p].secret for p in holders)
+    assert not any(TENANT_KEY in a.content for a in artifacts)  # inbound keys: digests only
+    keys = by_path["/etc/bpdkv/router-0.api-keys"]
+    assert keys.mode == 0o600 and KeyRing.parse(keys.content).tenant(TENANT_KEY) == "team-a"
+    assert hashlib.sha256(TENANT_KEY.encode()).hexdigest() in keys.content
+    config_text = by_path["/etc/bpdkv/router-0.router.yaml"].content
+    config = config_from_dict(yaml.safe_load(config_text))  # the router accepts what render writes
+    assert config.api_keys_file == "/etc/bpdkv/router-0.api-keys"
+    assert config.admin_key_file == "/etc/bpdkv/router-admin.key" == topology.router.admin_key_file
+    assert config.state_password_file == "/etc/bpdkv/router-0.redis-password"
+    assert config.state_ca_file == "/etc/ssl/certs/redis-ca.pem"
+    assert (config.tls_cert_file, config.tls_key_file) == ("/etc/ssl/router.crt", "/etc/bpdkv/router-0.tls.key")
+    assert config.state == "rediss://redis.internal:6380/0"
+
+
+def test_unresolvable_references_are_all_reported(tmp_path: Path) -> None:
+    with pytest.raises(SecretError) as info:
+        secrets.resolve_topology(_topology(tmp_path), Resolver(environ={}))
+    message = str(info.value)
+    for name in ("BPDKV_TEST_HF", "BPDKV_TEST_TENANT", "BPDKV_TEST_REDIS", "BPDKV_TEST_TLS_KEY"):
+        assert f"environment variable {name} is not set" in message
+    assert "router.api_keys.team-a: secret env:BPDKV_TEST_TENANT" in message
+
+
+def test_schema_rejects_a_malformed_reference(tmp_path: Path) -> None:
+    from bpdkv.errors import InvalidTopology
+
+    bad = doc(tmp_path)
+    bad["vllm"]["env"]["HF_TOKEN"] = {"secret": {"env": "A", "ssm": "/b"}}
+    with pytest.raises(InvalidTopology) as info:
+        validate_document(parse_yaml(yaml.safe_dump(bad), "t.yaml"))
+    assert any("vllm.env.HF_TOKEN" in line for line in info.value.lines())
