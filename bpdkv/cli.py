@@ -114,6 +114,8 @@ def validate(topology: str, output: str) -> None:
 def render(topology: str, out_dir: Path) -> None:
     """Render units, env files, launch scripts and router configs, one folder per host."""
     from bpdkv.errors import UsageError
+    from bpdkv.observability import OUT_DIR as OBSERVABILITY_DIR
+    from bpdkv.observability import observability_files
     from bpdkv.render import render_topology, write_artifacts
 
     result = _load(topology)  # raises before anything is written
@@ -125,6 +127,11 @@ def render(topology: str, out_dir: Path) -> None:
     written = write_artifacts(artifacts, out_dir)
     hosts = sorted({a.host for a in artifacts})
     click.echo(f"rendered {len(written)} file(s) for {len(hosts)} host(s) into {out_dir}/ ({', '.join(hosts)})")
+    monitoring = out_dir / OBSERVABILITY_DIR
+    for rel, content in observability_files(result.topology).items():
+        (monitoring / rel).parent.mkdir(parents=True, exist_ok=True)
+        (monitoring / rel).write_text(content, encoding="utf-8")
+    click.echo(f"monitoring for your own machine (not a node): {monitoring}/prometheus.yml, {monitoring}/grafana-dashboard.json")
 
 
 @main.command()
