@@ -49,7 +49,7 @@ def test_render_writes_per_host_folders(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["render", str(ROOT / "examples" / "local-cpu.yaml"), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["host1", "host2", "host3"]
+    assert sorted(p.name for p in out.iterdir()) == ["_observability", "host1", "host2", "host3"]  # + the operator's monitoring
     unit = out / "host2" / "etc/systemd/system/bpdkv-decode-0.service"
     assert unit.is_file()
     assert (out / "host2" / "opt/bpdkv/bin/decode-0.sh").stat().st_mode & 0o777 == 0o755
