@@ -19,7 +19,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _red(line: str) -> None:
-    click.secho(line, fg="red", err=True)
+    from bpdkv.secrets import mask  # an error quoting a resolved secret never prints it
+
+    click.secho(mask(line), fg="red", err=True)
 
 
 def _yellow(line: str) -> None:
@@ -110,8 +112,9 @@ def validate(topology: str, output: str) -> None:
 @main.command()
 @click.argument("topology", type=click.Path(path_type=str))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Folder; one sub-folder per host.")
+@click.option("--include-secrets", is_flag=True, help="Resolve secret references and write their values (0600); default: placeholders.")
 @user_errors
-def render(topology: str, out_dir: Path) -> None:
+def render(topology: str, out_dir: Path, include_secrets: bool) -> None:
     """Render units, env files, launch scripts and router configs, one folder per host."""
     from bpdkv.errors import UsageError
     from bpdkv.observability import OUT_DIR as OBSERVABILITY_DIR
@@ -121,7 +124,12 @@ def render(topology: str, out_dir: Path) -> None:
     result = _load(topology)  # raises before anything is written
     for w in result.warnings:
         _yellow(w.format())
-    artifacts = render_topology(result.topology)
+    model = result.topology
+    if include_secrets:
+        from bpdkv.secrets import Resolver, resolve_topology
+
+        model = resolve_topology(model, Resolver(base_dir=Path(topology).resolve().parent))
+    artifacts = render_topology(model)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir}: exists and is not a folder")
     written = write_artifacts(artifacts, out_dir)
@@ -514,7 +522,7 @@ def destroy(topology: str, yes: bool, keep_packages: bool, accept_new_host_keys:
         if not sys.stdin.isatty():
             raise click.UsageError("refusing to destroy without confirmation: pass -y (stdin is not a terminal)")
         click.confirm(f"destroy every bpdkv unit and file of {topology}?", abort=True)
-    fleet = load_fleet(topology)
+    fleet = load_fleet(topology, resolve_secrets=False)
     try:
         results = fleet_destroy(
             fleet, _ssh_options(accept_new_host_keys, command_timeout), parallel, lambda h, m: click.echo(f"{h}: {m}"), keep_packages

@@ -17,6 +17,7 @@ from bpdkv.deploy.remote import MANIFEST_PATH, HostFacts, RemoteError, SshOption
 from bpdkv.deploy.runner import ApplyOptions, Executor, HostOutcome, PackageSource, Progress, execute, health_gate, stop_and_disable
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact, render_topology
+from bpdkv.secrets import Resolver, resolve_topology
 from bpdkv.topology.loader import ValidatedTopology, load_topology
 from bpdkv.topology.model import Node, Topology
 
@@ -47,8 +48,12 @@ class Fleet:
         self.conns.clear()
 
 
-def load_fleet(path: str) -> Fleet:
+def load_fleet(path: str, resolve_secrets: bool = True) -> Fleet:
+    """Secret references are resolved here (plan, apply, status compare the files' contents); destroy needs paths only."""
     validated = load_topology(Path(path), path)
+    if resolve_secrets:
+        resolved = resolve_topology(validated.topology, Resolver(base_dir=Path(path).resolve().parent))
+        validated = ValidatedTopology(resolved, validated.warnings, validated.file)
     return Fleet(validated, render_topology(validated.topology))
 
 

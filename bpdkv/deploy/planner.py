@@ -13,6 +13,7 @@ from bpdkv import __version__
 from bpdkv.deploy.bootstrap import PackageChange, package_changes
 from bpdkv.deploy.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
 from bpdkv.render import Artifact
+from bpdkv.secrets import secret_diff
 from bpdkv.topology.model import Topology
 
 SECRET_KEY = re.compile(r"(?i)(key|token|secret|passw|credential|auth)")
@@ -162,6 +163,8 @@ def redact(text: str) -> str:
 
 
 def _diff(host: str, path: str, old: str | None, new: str | None, secret: bool) -> str:
+    if secret:  # which lines changed (a rotation shows), never a value of either side
+        return secret_diff(old or "", new or "", f"{host}:{path} (on host)", f"{host}:{path} (rendered)")
     a = redact(old or "") if secret else (old or "")
     b = redact(new or "") if secret else (new or "")
     lines = difflib.unified_diff(

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from bpdkv.secrets import plaintext_secret_findings
 from bpdkv.topology.load import PathKey
 from bpdkv.topology.model import Instance, Node, Topology
 from bpdkv.topology.vllm_args import owned_arg_problems
@@ -287,3 +288,10 @@ def warnings(t: Topology) -> Iterator[Problem]:
         )
     if t.kv_transfer.unverified_reuse == "allow":
         yield Problem(("kv_transfer", "unverified_reuse"), "unverified reuse can copy KV of different tokens (wrong answers)", "warning")
+
+
+@rule
+def plaintext_secrets(t: Topology) -> Iterator[Problem]:
+    """Values that look like credentials written in the topology itself (bpdkv.secrets says how to reference them)."""
+    for path, message in plaintext_secret_findings(t.raw):
+        yield Problem(path, message, "warning")
