@@ -9,7 +9,6 @@ recommended `kv_recompute_threshold`; a block size that makes pulls descriptor-b
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -21,7 +20,7 @@ from typing import Any
 
 from bpdkv.bench.runner import metric_value
 from bpdkv.errors import BpdkvError
-from bpdkv.router.protocol import P_TEMPLATE
+from bpdkv.router.turn import TurnClient, TurnError, post_json, prefill_body
 
 TAIL_TOKENS = 8  # new tokens after D's sequence, computed by P in both measurements
 # gpu.md: on H200 block 16 made pulls descriptor-bound (reuse useless); 128 moved 57-59 GB/s.
@@ -69,16 +68,10 @@ class Calibration:
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> tuple[dict[str, Any], float]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    start = time.perf_counter()
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            data = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise CalibrationError(f"{url}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
-    except (urllib.error.URLError, TimeoutError, OSError) as exc:
-        raise CalibrationError(f"{url}: {exc}") from None
-    return data, time.perf_counter() - start
+        return post_json(url, body, timeout)
+    except TurnError as exc:
+        raise CalibrationError(str(exc)) from None
 
 
 def _p_counters(prefill: str) -> tuple[float, float, float]:
@@ -101,19 +94,18 @@ def _completion(model: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
 def measure_size(prefill: str, decode: str, model: str, n: int, repeat: int, rng: random.Random, timeout: float) -> SizeResult:
     route = "/v1/completions"
     compute, pull, pulled, xfer, nbytes = [], [], [], [], []
+    pd = TurnClient(prefill, decode, timeout)
     length = n
     for _ in range(repeat):
         # D's sequence: n prompt tokens + the one token D generates (whose KV D has not computed: D holds n tokens).
         # P's next prompt extends that sequence by the tail.
         seed = [rng.randrange(100, 1000) for _ in range(n)]
-        p_data, _ = _post(
-            prefill + route, _completion(model, seed, kv_transfer_params=dict(P_TEMPLATE), cache_salt=uuid.uuid4().hex), timeout
-        )
-        p_params = p_data.get("kv_transfer_params")
-        if not p_params:
-            raise CalibrationError(f"{prefill}: no kv_transfer_params in P's answer (is it a kv_producer with bidirectional transfer?)")
-        d_data, _ = _post(decode + route, _completion(model, seed, kv_transfer_params=p_params, return_token_ids=True), timeout)
-        d_params = d_data.get("kv_transfer_params")
+        try:
+            p_params, _ = pd.prefill(route, _completion(model, seed), None, {"cache_salt": uuid.uuid4().hex})
+            reply, d_data = pd.decode(route, _completion(model, seed, return_token_ids=True), p_params)
+        except TurnError as exc:
+            raise CalibrationError(str(exc)) from None
+        d_params = reply.params
         generated = list(d_data["choices"][0].get("token_ids") or [])
         if not d_params or not d_params.get("remote_block_ids"):
             raise CalibrationError(f"{decode}: D returned no block locations (bidirectional_kv_xfer off, or D is not a kv_consumer)")
@@ -126,7 +118,7 @@ def measure_size(prefill: str, decode: str, model: str, n: int, repeat: int, rng
         _, seconds = _post(prefill + route, _completion(model, fresh, cache_salt=uuid.uuid4().hex), timeout)
         compute.append(seconds)
         before = _p_counters(prefill)
-        _, seconds = _post(prefill + route, _completion(model, prompt, kv_transfer_params=d_params, cache_salt=uuid.uuid4().hex), timeout)
+        _, seconds = _post(prefill + route, prefill_body(_completion(model, prompt), d_params, uuid.uuid4().hex), timeout)
         after = _p_counters(prefill)
         got = after[0] - before[0]
         pulled.append(got)

@@ -1,18 +1,19 @@
-"""The router's ASGI app: P (one token, no stream) then D (streaming as the client asked), reuse via stored D params."""
+"""The router's ASGI app: routes, auth, request limits, admin API, and the glue of one request — identity and stored
+D location (sessions), the P→D turn (turn), the stream to the client (relay)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import hashlib
+import ipaddress
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -24,10 +25,22 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from bpdkv.router import protocol, sessions
+from bpdkv import contracts
+from bpdkv.router import security, sessions
 from bpdkv.router.config import RouterConfig
 from bpdkv.router.metrics import RouterMetrics
-from bpdkv.router.security import KeyRing, redis_options
+from bpdkv.router.relay import RelayOutcome, Reply, SseRelay
+from bpdkv.router.sessions import Reuse, Verdict
+from bpdkv.router.turn import (
+    REUSABLE_FINISH,
+    UPSTREAM_ERRORS,
+    DecodedWhole,
+    DecodeStream,
+    NoUpstream,
+    Passthrough,
+    PdTurn,
+    usable_d_params,
+)
 from bpdkv.router.upstreams import Pool, Upstream, check_all, health_loop
 
 log = logging.getLogger("bpdkv.router")
@@ -35,83 +48,125 @@ T = TypeVar("T")
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-REUSABLE_FINISH = ("stop", "length")
-HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
-
-
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-
-
-@dataclass(frozen=True)
-class Buffered:
-    """A whole upstream response."""
-
-    status: int
-    content_type: str
-    content: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.content)
-
-
-class SseStream:
-    """A streamed response written straight to the ASGI send; a client disconnect cancels the relay."""
-
-    def __init__(self, body: AsyncIterator[bytes], content_type: str, abandon: Callable[[], None] | None = None) -> None:
-        self.body = body
-        self.content_type = content_type.encode("latin-1")
-        self.status_code = 200
-        self.abandon = abandon  # releases the upstream if the body never starts (client gone before the first byte)
-        self.started = False
-
-    async def send_to(self, send: Send, receive: Receive) -> None:
-        relay = asyncio.current_task()
-
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if relay is not None:
-                        relay.cancel()
-                    return
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", self.content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
-                }
-            )
-            self.started = True  # from here the relay's own finally releases the upstream
-            async for chunk in self.body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            pass  # the client went away; closing the relay below drops the upstream connection
-        finally:
-            watcher.cancel()
-            if not self.started and self.abandon is not None:
-                self.abandon()
-            aclose = getattr(self.body, "aclose", None)
-            if aclose is not None:
-                await aclose()
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 
 
 class ClientGone(Exception):
     pass
 
 
-class UpstreamFailed(Exception):
-    def __init__(self, status: int, message: str) -> None:
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, reason: str) -> None:
         super().__init__(message)
-        self.status = status
-        self.message = message
+        self.status, self.message, self.reason = status, message, reason
 
 
 def _error(status: int, message: str, kind: str = "router_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _passthrough(answer: Any) -> Response:
+    """vLLM's own error answer, unchanged — except that kv_transfer_params never reach a client."""
+    content = answer.content
+    if contracts.KV_TRANSFER_PARAMS.encode() in content:
+        try:
+            data = json.loads(content)
+            if isinstance(data, dict):
+                data.pop(contracts.KV_TRANSFER_PARAMS, None)
+                content = json.dumps(data).encode()
+        except ValueError:
+            pass
+    return Response(content, status_code=answer.status, media_type=answer.content_type)
+
+
+class RequestAccount:
+    """One client request in the in-flight gauge and the requests counter; finish() counts it exactly once."""
+
+    __slots__ = ("metrics", "route", "done")
+
+    def __init__(self, metrics: RouterMetrics, route: str) -> None:
+        self.metrics, self.route, self.done = metrics, route, False
+        metrics.in_flight.inc()
+
+    def finish(self, status: int) -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(self.route, str(status)).inc()
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+def json_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether value nests deeper than limit (iterative: a hostile body cannot exhaust the stack)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return False
+
+
+def shape_problem(route: str, body: dict[str, Any]) -> str | None:
+    """What the router itself relies on, checked before any upstream sees the request (one line, or None)."""
+    if "stream" in body and not isinstance(body["stream"], bool):
+        return "'stream' must be true or false"
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n < 1):
+        return "'n' must be a positive integer"
+    if route == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "'messages' must be a non-empty array of message objects"
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict):
+                return f"messages[{i}] must be an object with 'role' and 'content'"
+            role = msg.get("role")
+            if not isinstance(role, str) or role not in ROLES:
+                return f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}"
+            content = msg.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                return f"messages[{i}].content must be a string, an array of content parts or null"
+            if isinstance(content, list) and not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
+                return f"messages[{i}].content parts must be objects with a 'type'"
+            calls = msg.get("tool_calls")
+            if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+                return f"messages[{i}].tool_calls must be an array of objects"
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list) and prompt:
+        if all(type(t) is int for t in prompt) or all(isinstance(t, str) for t in prompt):
+            return None
+        if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+            return None
+    return "'prompt' must be a string, an array of strings, an array of token ids or an array of token-id arrays"
+
+
+def sanitize(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """Drop client-supplied kv_transfer_params (a client must never steer NIXL) and explicit session fields."""
+    clean = dict(body)
+    clean.pop(contracts.KV_TRANSFER_PARAMS, None)
+    session = None
+    for key in contracts.SESSION_FIELDS:
+        value = clean.pop(key, None)
+        if session is None and isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
+            session = str(value)
+    return clean, session
+
+
+def _is_loopback(scope: Scope) -> bool:
+    client = scope.get("client")
+    if not client:
+        return False
+    try:
+        return ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
 
 
 class Router:
@@ -123,13 +178,17 @@ class Router:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.store = store or sessions.make_store(config.state, clock, redis_options(config.state_password_file, config.state_ca_file))
+        self.store = store or sessions.make_store(
+            config.state, clock, security.redis_options(config.state_password_file, config.state_ca_file)
+        )
         self.metrics = RouterMetrics()
-        self.api_keys = KeyRing.load(config.api_keys_file)  # digests only: no key is held in memory
+        self.api_keys = security.KeyRing.load(config.api_keys_file)  # digests only: no key is held in memory
+        self.admin_key = security.load_admin_key(config.admin_key_file)
         h = config.health
         self.prefill = Pool("prefill", [Upstream(u.name, u.url, "prefill") for u in config.prefill], h.failures_to_eject, h.backoff_max)
         self.decode = Pool("decode", [Upstream(u.name, u.url, "decode") for u in config.decode], h.failures_to_eject, h.backoff_max)
         self.client: aiohttp.ClientSession | None = None
+        self.turn = PdTurn(self.prefill, self.decode, self.metrics, config.timeouts, self._session, clock)
         self._stop = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
         self._warned_missing = False
@@ -142,9 +201,15 @@ class Router:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+                Route("/admin/upstreams", self.admin_list, methods=["GET"]),
+                Route("/admin/upstreams/{name}/{action}", self.admin_action, methods=["POST"]),
             ],
             lifespan=self._lifespan,
         )
+
+    def _session(self) -> aiohttp.ClientSession:
+        assert self.client is not None, "router not started"
+        return self.client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry. The two completion routes skip Starlette's middleware stack: every SSE chunk would
@@ -157,15 +222,26 @@ class Router:
 
     async def _serve_completion(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         request = Request(scope, receive)
+        account = RequestAccount(self.metrics, route)
+        start = time.perf_counter()
+        response: Response | SseRelay
         try:
-            response = await self._handle(request, route)
+            response = await self._flow(request, route, start, account)
+        except ClientGone:
+            self.metrics.disconnects.inc()
+            account.finish(499)
+            return
         except Exception:  # noqa: BLE001 - a bug must cost one request a 500, never the process
             log.exception("router error on %s", route)
             response = _error(500, "internal router error")
-        if isinstance(response, SseStream):
-            await response.send_to(send, receive)
-        else:
-            await response(scope, receive, send)
+        if isinstance(response, SseRelay):
+            try:
+                await response.send_to(send, receive)
+            finally:
+                await response.close(False)  # no-op when send_to closed it; else the response never started
+            return
+        account.finish(response.status_code)
+        await response(scope, receive, send)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     @asynccontextmanager
@@ -219,13 +295,11 @@ class Router:
         return JSONResponse(body, status_code=200 if p and d else 503)
 
     async def models(self, request: Request) -> Response:
-        tenant = self._tenant(request)
-        if tenant is None:
+        if self._tenant(request) is None:
             return _error(401, "invalid or missing API key", "authentication_error")
-        assert self.client is not None
         for member in self.decode.candidates(set()) + self.prefill.candidates(set()):
             try:
-                got = await self._call(
+                got = await self.turn.call(
                     member.url + "/v1/models", None, self._upstream_headers(request), self.config.timeouts.connect, "GET"
                 )
                 return Response(got.content, status_code=got.status, media_type="application/json")
@@ -248,19 +322,64 @@ class Router:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def check_health_now(self) -> None:
-        assert self.client is not None
-        await check_all([self.prefill, self.decode], self.client, timeout=2.0)
+        await check_all([self.prefill, self.decode], self._session(), timeout=2.0)
+
+    # ---- admin (rolling deploys) -----------------------------------------------------------------------------
+    def _admin_denied(self, request: Request) -> Response | None:
+        """With an admin key file: its key only (401 without, 403 wrong). Without one: loopback clients only.
+        Client API keys never open admin routes."""
+        if self.admin_key:
+            presented = self._bearer(request)
+            if presented is None:
+                return _error(401, "admin key required (Authorization: Bearer)", "authentication_error")
+            if self.admin_key.tenant(presented) is None:
+                return _error(403, "wrong admin key", "permission_error")
+            return None
+        if not _is_loopback(request.scope):
+            return _error(403, "admin API answers loopback clients only (no admin_key_file configured)", "permission_error")
+        return None
+
+    def _members(self) -> list[Upstream]:
+        return self.prefill.members + self.decode.members
+
+    async def admin_list(self, request: Request) -> Response:
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
+        now = time.monotonic()
+        return JSONResponse({"upstreams": [m.describe(now) for m in self._members()]})
+
+    async def admin_action(self, request: Request) -> Response:
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
+        name, action = request.path_params["name"], request.path_params["action"]
+        if action not in ("drain", "undrain"):
+            return _error(404, f"unknown admin action {action!r} (drain, undrain)", "not_found_error")
+        member = next((m for m in self._members() if m.name == name), None)
+        if member is None:
+            return _error(404, f"no upstream named {name!r}", "not_found_error")
+        if action == "drain":
+            member.drained = True
+        elif member.drained:
+            member.drained = False
+            # A drain usually brackets a restart: blocks D held before it are gone, the new engine is unknown yet.
+            member.restarted_at = self.clock()
+            member.ejected_until = 0.0
+        log.info("admin: %s %s (%s %s)", action, name, member.role, member.url)
+        return JSONResponse(member.describe(time.monotonic()))
 
     # ---- auth ------------------------------------------------------------------------------------------------
-    def _bearer(self, request: Request) -> str | None:
+    @staticmethod
+    def _bearer(request: Request) -> str | None:
         auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            return auth[7:].strip()
+        if auth[:7].lower() == "bearer ":
+            return auth[7:].strip() or None
         return None
 
     def _tenant(self, request: Request) -> str | None:
-        """None = rejected. Tenant = the key's tenant name (or a hash of a pass-through key): sessions never cross
-        tenants, keys never reach logs or metric labels."""
+        """None = rejected. With keys: the key's tenant name. Without: a digest of whatever key came (sessions never
+        cross keys, keys never reach logs)."""
         key = self._bearer(request)
         if self.api_keys:
             return self.api_keys.tenant(key)
@@ -272,126 +391,117 @@ class Router:
             headers["authorization"] = f"Bearer {self._backend_key}"
         elif not self.api_keys and request.headers.get("authorization"):
             headers["authorization"] = request.headers["authorization"]  # pass-through fleets (vLLM --api-key)
-        rid = request.headers.get("x-request-id")
+        rid = request.headers.get(contracts.REQUEST_ID_HEADER)
         if rid:
-            headers["x-request-id"] = rid
+            headers[contracts.REQUEST_ID_HEADER] = rid
         return headers
 
-    # ---- identity --------------------------------------------------------------------------------------------
-    def identity(
-        self, route: str, tenant: str, body: dict[str, Any], session_id: str | None
-    ) -> tuple[sessions.Identity | None, bytes | None, bytes]:
-        """(identity for lookup, affinity key for P selection, scope). Identity None = not eligible for reuse."""
-        scope = sessions.scope_digest(tenant, route, body)
-        mode = self.config.session_identity
-        explicit = session_id if mode != "auto" or session_id else None
-        if (body.get("n") or 1) != 1:
-            return None, None, scope
-        if route == CHAT:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                return None, None, scope
-            chain = sessions.chat_chain(scope, messages)
-            affinity = chain[min(1, len(chain) - 1)]
-            if explicit:
-                key = "x:" + sessions._h(scope, explicit.encode()).hex()
-                return sessions.Identity([key], {h.hex() for h in chain[:-1]}, True), sessions._h(scope, explicit.encode()), scope
-            if mode != "auto":
-                return None, affinity, scope
-            keys = []
-            for i in range(len(messages) - 2, -1, -1):
-                if isinstance(messages[i], dict) and messages[i].get("role") == "assistant":
-                    keys.append("c:" + chain[i].hex())
-                    if len(keys) >= 8:
-                        break
-            return sessions.Identity(keys, set(), False), affinity, scope
-        prompt = body.get("prompt")
-        tokens = prompt if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) else None
-        if explicit:
-            key = "x:" + sessions._h(scope, explicit.encode()).hex()
-            return sessions.Identity([key], set(), True), sessions._h(scope, explicit.encode()), scope
-        if tokens is None or mode != "auto":
-            return None, None, scope
-        chain_t = sessions.token_chain(scope, tokens)
-        affinity_t = chain_t[0][1] if chain_t else None
-        keys = ["t:" + h.hex() for _, h in reversed(chain_t)][: sessions.MAX_CANDIDATES]
-        return sessions.Identity(keys, set(), False), affinity_t, scope
-
-    def _history_ok(self, route: str, ident: sessions.Identity, entry: sessions.SessionEntry, body: dict[str, Any], scope: bytes) -> bool:
-        if route == CHAT:
-            return not ident.explicit or entry.history in ident.history
-        prompt = body.get("prompt")
-        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
-            return not ident.explicit  # explicit ids with text prompts: trust the id
-        return 0 < entry.length <= len(prompt) and sessions.token_digest(scope, prompt[: entry.length]) == entry.history
-
-    async def lookup(
-        self, route: str, ident: sessions.Identity | None, body: dict[str, Any], scope: bytes
-    ) -> tuple[dict[str, Any] | None, str]:
-        if not self.config.reuse or ident is None:
-            return None, "skipped"
-        if not ident.lookup_keys:
-            return None, "miss"  # first turn: nothing could have been stored yet
+    # ---- request body ----------------------------------------------------------------------------------------
+    async def _read_body(self, request: Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequest(413, f"request body of {declared} bytes is over the router's limit of {limit} bytes", "too_large")
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(413, f"request body is over the router's limit of {limit} bytes", "too_large")
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                break
         try:
-            found = await self.store.take(ident.lookup_keys)
+            body = json.loads(b"".join(parts))
+        except RecursionError:
+            raise BadRequest(400, f"request body nests deeper than {self.config.max_json_depth} levels", "too_deep") from None
+        except ValueError:
+            raise BadRequest(400, "request body is not valid JSON", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise BadRequest(400, "request body must be a JSON object", "not_object")
+        if json_depth_exceeds(body, self.config.max_json_depth):
+            raise BadRequest(400, f"request body nests deeper than {self.config.max_json_depth} levels", "too_deep")
+        return body
+
+    # ---- sessions --------------------------------------------------------------------------------------------
+    async def lookup(self, ident: sessions.Identity | None) -> tuple[sessions.SessionEntry | None, Reuse]:
+        if not self.config.reuse or ident is None:
+            return None, Reuse.SKIPPED
+        if not ident.lookup_keys:
+            return None, Reuse.MISS  # first turn: nothing could have been stored yet
+        now = self.clock()
+        seen: list[Reuse] = []
+
+        def judge(entry: sessions.SessionEntry) -> Verdict:
+            if entry.expires_at <= now:
+                seen.append(Reuse.EXPIRED)
+                return Verdict.DROP
+            if not ident.covers(entry):
+                seen.append(Reuse.MISMATCH)
+                return Verdict.LEAVE  # another conversation's: neither consumed nor touched
+            holder = self.decode.member(entry.decode)
+            if holder is None or not holder.holds(entry.params.get(contracts.REMOTE_ENGINE_ID), entry.stored_at):
+                seen.append(Reuse.REFUSED)
+                return Verdict.DROP
+            return Verdict.TAKE
+
+        try:
+            entry, _ = await self.store.take(list(ident.lookup_keys), judge)
         except sessions.StoreUnavailable:
             self.metrics.store_errors.inc()
-            return None, "unavailable"
-        if found is None:
-            return None, "miss"
-        _, entry = found
-        if entry.expires_at <= self.clock():
-            return None, "expired"
-        if not self._history_ok(route, ident, entry, body, scope):
-            return None, "mismatch"
-        return entry.params, "hit"
+            return None, Reuse.UNAVAILABLE
+        if entry is not None:
+            return entry, ident.outcome_of(entry)
+        for outcome in (Reuse.REFUSED, Reuse.EXPIRED, Reuse.MISMATCH):
+            if outcome in seen:
+                return None, outcome
+        return None, Reuse.MISS
 
-    async def remember(
-        self,
-        route: str,
-        scope: bytes,
-        body: dict[str, Any],
-        session_id: str | None,
-        reply: dict[str, Any] | None,
-        params: dict[str, Any],
-        decode: str,
-    ) -> None:
-        now = self.clock()
+    async def remember(self, ident: sessions.Identity, body: dict[str, Any], reply: Reply, decode: str) -> None:
+        params = reply.params or {}
         ttl = self.config.session_ttl
         # A patched D (bpdkv node plugin) says how long its blocks live in relative seconds, which needs no clock sync.
-        expires_in = params.get("remote_blocks_expires_in")
+        expires_in = params.get(contracts.REMOTE_BLOCKS_EXPIRES_IN)
         if isinstance(expires_in, (int, float)):
             ttl = min(ttl, float(expires_in) - self.config.expiry_margin)
         if ttl <= 0:
             return
-        entry = sessions.SessionEntry(params=params, expires_at=now + ttl, history="", decode=decode)
-        keys: list[str] = []
-        explicit = session_id if self.config.session_identity != "auto" or session_id else None
-        if route == CHAT:
-            messages = list(body.get("messages") or []) + ([reply] if reply else [])
-            digest = sessions.chat_chain(scope, messages)[-1].hex()
-            entry.history = digest
-            keys.append("x:" + sessions._h(scope, explicit.encode()).hex() if explicit else "c:" + digest)
-        else:
-            prompt = body.get("prompt")
-            tokens = prompt if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) else None
-            if tokens is not None:
-                entry.history = sessions.token_digest(scope, tokens)
-                entry.length = len(tokens)
-            if explicit:
-                keys.append("x:" + sessions._h(scope, explicit.encode()).hex())
-            elif tokens is not None:
-                chain = sessions.token_chain(scope, tokens)
-                if chain:
-                    keys.append("t:" + chain[-1][1].hex())
-        if not keys:
+        now = self.clock()
+        target = sessions.to_store(ident, body, reply.message(), params, decode, now)
+        if target is None:
             return
+        key, entry, only_if_absent = target
+        entry.expires_at = now + ttl
         try:
-            for key in keys:
-                await self.store.put(key, entry, ttl)
-            self.metrics.stored.inc()
+            if await self.store.put(key, entry, ttl, only_if_absent):
+                self.metrics.stored.inc()
+            else:
+                self.metrics.store_refused.inc()
         except sessions.StoreUnavailable:
             self.metrics.store_errors.inc()
+
+    async def _after_decode(self, ident: sessions.Identity | None, body: dict[str, Any], reply: Reply, member: Upstream) -> None:
+        self.turn.observe_decode(member, reply.params)
+        if not self.config.reuse or ident is None:
+            return
+        if reply.params is None:
+            if reply.finish_reason in REUSABLE_FINISH:
+                self._d_params_missing(member)
+            return
+        if reply.finish_reason in REUSABLE_FINISH and usable_d_params(reply.params):
+            await self.remember(ident, body, reply, member.name)
+
+    def _d_params_missing(self, member: Upstream) -> None:
+        self.metrics.d_params_missing.inc()
+        if not self._warned_missing:
+            self._warned_missing = True
+            log.warning(
+                "decode %s returned no kv_transfer_params; reuse needs the bpdkv node plugin (vLLM streams carry none)", member.name
+            )
 
     # ---- the P/D flow ----------------------------------------------------------------------------------------
     async def _race_disconnect(self, request: Request, work: Awaitable[T]) -> T:
@@ -421,292 +531,100 @@ class Router:
             pass
         raise ClientGone()
 
-    async def _handle(self, request: Request, route: str) -> Response | SseStream:
-        start = time.perf_counter()
-        self.metrics.in_flight.inc()
-        status = 500
-        streaming = False
-        try:
-            response = await self._flow(request, route, start)
-            status = response.status_code
-            streaming = isinstance(response, SseStream)
-            return response
-        except ClientGone:
-            self.metrics.disconnects.inc()
-            status = 499
-            return Response(status_code=499)
-        finally:
-            if not streaming:  # a stream is counted by _relay when it ends
-                self.metrics.in_flight.dec()
-                self.metrics.requests.labels(route, str(status)).inc()
-
-    async def _flow(self, request: Request, route: str, start: float) -> Response | SseStream:
+    async def _flow(self, request: Request, route: str, start: float, account: RequestAccount) -> Response | SseRelay:
         tenant = self._tenant(request)
         if tenant is None:
+            self.metrics.rejected.labels("auth").inc()
             return _error(401, "invalid or missing API key", "authentication_error")
         try:
-            raw = await request.body()
-            body = json.loads(raw)
-        except ValueError:
-            return _error(400, "request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
-        body, field_id = protocol.sanitize(body)
-        header_id = request.headers.get(protocol.SESSION_HEADER) or None
+            raw_body = await self._read_body(request)
+            problem = shape_problem(route, raw_body)
+            if problem is not None:
+                raise BadRequest(400, problem, "shape")
+        except BadRequest as bad:
+            self.metrics.rejected.labels(bad.reason).inc()
+            return _error(bad.status, bad.message, "invalid_request_error")
+        body, field_id = sanitize(raw_body)
+        header_id = request.headers.get(contracts.SESSION_HEADER) or None
         mode = self.config.session_identity
         session_id = header_id if mode == "header" else field_id if mode == "field" else (header_id or field_id)
-        ident, affinity, scope = self.identity(route, tenant, body, session_id)
-        if request.headers.get(protocol.REUSE_HEADER, "").lower() == "off":
-            ident = None  # benchmark A/B on one fleet: neither look up nor store
-        d_params, outcome = await self.lookup(route, ident, body, scope)
-        self.metrics.reuse.labels(outcome).inc()
+        ident = None
+        if request.headers.get(contracts.REUSE_HEADER, "").lower() != contracts.SWITCH_OFF:  # benchmark A/B on one fleet
+            ident = sessions.identify(route, tenant, body, session_id, mode)
+        entry, outcome = await self.lookup(ident)
+        self.metrics.reuse.labels(outcome.value).inc()
         headers = self._upstream_headers(request)
-
-        salt = uuid.uuid4().hex if request.headers.get(protocol.P_CACHE_HEADER, "").lower() == "off" else None
-        p_params = await self._race_disconnect(request, self._prefill(route, body, d_params, affinity, headers, salt))
-        if isinstance(p_params, Response):
-            return p_params
+        salt = uuid.uuid4().hex if request.headers.get(contracts.P_CACHE_HEADER, "").lower() == contracts.SWITCH_OFF else None
+        prefilled = await self._race_disconnect(
+            request,
+            self.turn.prefill(
+                route,
+                body,
+                entry.params if entry else None,
+                entry.decode if entry else None,
+                ident.affinity if ident else None,
+                headers,
+                salt,
+            ),
+        )
+        if isinstance(prefilled, NoUpstream):
+            return _error(502, prefilled.message, "upstream_error")
+        if isinstance(prefilled, Passthrough):
+            return _passthrough(prefilled.answer)
         stream = bool(body.get("stream"))
-        reuse_ctx = (route, scope, body, session_id if ident is not None else None, ident is not None)
-        if stream:
-            return await self._decode_stream(request, route, body, p_params, headers, start, reuse_ctx)
-        return await self._race_disconnect(request, self._decode_whole(route, body, p_params, headers, start, reuse_ctx))
+        decoded = await self._race_disconnect(request, self.turn.decode(route, body, prefilled.params, headers, stream))
+        if isinstance(decoded, NoUpstream):
+            return _error(502, decoded.message, "upstream_error")
+        if isinstance(decoded, Passthrough):
+            return _passthrough(decoded.answer)
+        if isinstance(decoded, DecodedWhole):
+            return await self._whole(decoded, route, body, ident, start)
+        return self._relay(decoded, body, ident, start, account)
 
-    async def _prefill(
-        self,
-        route: str,
-        body: dict[str, Any],
-        d_params: dict[str, Any] | None,
-        affinity: bytes | None,
-        headers: dict[str, str],
-        salt: str | None = None,
-    ) -> dict[str, Any] | None | Response:
-        assert self.client is not None
-        last = "no prefill upstream available"
-        for member in self._attempts(self.prefill, affinity):
-            t0 = time.perf_counter()
-            member.outstanding += 1
-            try:
-                resp = await self._call(member.url + route, protocol.p_request(body, d_params, salt), headers, self.config.timeouts.prefill)
-            except UPSTREAM_ERRORS as exc:
-                last = self._failed(self.prefill, member, type(exc).__name__)
-                d_params = None  # the failed P may have started the pull; never hand D's blocks out twice
-                continue
-            finally:
-                member.outstanding -= 1
-            self.metrics.upstream.labels("prefill").observe(time.perf_counter() - t0)
-            if resp.status >= 500:
-                last = self._failed(self.prefill, member, f"http_{resp.status}")
-                d_params = None
-                continue
-            if resp.status != 200:
-                return self._passthrough_error(resp)
-            self.prefill.success(member)
-            try:
-                params = resp.json().get("kv_transfer_params")
-            except ValueError:
-                params = None
-            return params if isinstance(params, dict) else None
-        return _error(502, f"no prefill upstream succeeded ({last})", "upstream_error")
-
-    async def _call(self, url: str, payload: Any, headers: dict[str, str], read_timeout: float, method: str = "POST") -> Buffered:
-        assert self.client is not None
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.timeouts.connect, sock_read=read_timeout)
-        data = None if payload is None else json.dumps(payload, separators=(",", ":")).encode()
-        hdrs = dict(headers, **{"content-type": "application/json"}) if data is not None else headers
-        async with self.client.request(method, url, data=data, headers=hdrs, timeout=timeout) as resp:
-            return Buffered(resp.status, resp.headers.get("content-type", "application/json"), await resp.read())
-
-    def _failed(self, pool: Pool, member: Upstream, kind: str) -> str:
-        """Passive health + metrics for one failed upstream attempt; returns the text for the client's error."""
-        pool.failure(member, kind)
-        self.metrics.upstream_errors.labels(pool.role, member.name, kind).inc()
-        return f"{pool.role} {member.name}: {kind}"
-
-    def _attempts(self, pool: Pool, affinity: bytes | None) -> Iterator[Upstream]:
-        """Each upstream at most once, best first; retries counted."""
-        tried: set[str] = set()
-        for attempt in range(len(pool.members)):
-            member = pool.pick(affinity, tried)
-            if member is None:
-                return
-            tried.add(member.name)
-            if attempt:
-                self.metrics.retries.labels(pool.role).inc()
-            yield member
-
-    def _passthrough_error(self, resp: Buffered) -> Response:
-        content = resp.content
-        try:
-            data = json.loads(content)
-            if isinstance(data, dict) and "kv_transfer_params" in data:
-                data.pop("kv_transfer_params")
-                content = json.dumps(data).encode()
-        except ValueError:
-            pass
-        return Response(content, status_code=resp.status, media_type=resp.content_type)
-
-    def _d_params_missing(self, member: Upstream) -> None:
-        self.metrics.d_params_missing.inc()
-        if not self._warned_missing:
-            self._warned_missing = True
-            log.warning(
-                "decode %s returned no kv_transfer_params; reuse needs the bpdkv node plugin (vLLM streams carry none)", member.name
-            )
-
-    async def _after_decode(
-        self, ctx: tuple[Any, ...], reply: dict[str, Any] | None, finish: str | None, params: Any, member: Upstream
-    ) -> None:
-        route, scope, body, session_id, eligible = ctx
-        if not self.config.reuse or not eligible:
-            return
-        if params is None:
-            if finish in REUSABLE_FINISH:
-                self._d_params_missing(member)
-            return
-        if finish in REUSABLE_FINISH and protocol.usable_d_params(params):
-            await self.remember(route, scope, body, session_id, reply, params, member.name)
-
-    async def _decode_whole(
-        self, route: str, body: dict[str, Any], p_params: dict[str, Any] | None, headers: dict[str, str], start: float, ctx: tuple[Any, ...]
+    async def _whole(
+        self, decoded: DecodedWhole, route: str, body: dict[str, Any], ident: sessions.Identity | None, start: float
     ) -> Response:
-        assert self.client is not None
-        last = "no decode upstream available"
-        t = self.config.timeouts
-        for member in self._attempts(self.decode, None):
-            member.outstanding += 1
-            t0 = time.perf_counter()
-            try:
-                # A whole answer arrives at once: the read bound is the first-byte bound.
-                resp = await self._call(
-                    member.url + route, protocol.d_request(body, p_params), headers, max(t.decode_first_byte, t.decode_idle)
-                )
-            except UPSTREAM_ERRORS as exc:
-                last = self._failed(self.decode, member, type(exc).__name__)
-                continue
-            finally:
-                member.outstanding -= 1
-            self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
-            if resp.status >= 500:
-                last = self._failed(self.decode, member, f"http_{resp.status}")
-                continue
-            self.decode.success(member)
-            if resp.status != 200:
-                return self._passthrough_error(resp)
-            try:
-                data = resp.json()
-            except ValueError:
-                return Response(resp.content, status_code=resp.status, media_type=resp.content_type)
-            params = data.pop("kv_transfer_params", None) if isinstance(data, dict) else None
-            reply, finish = protocol.assistant_from_body(data, route == CHAT) if isinstance(data, dict) else (None, None)
-            await self._after_decode(ctx, reply, finish, params, member)
-            self.metrics.ttft.observe(time.perf_counter() - start)
-            return Response(json.dumps(data, ensure_ascii=False).encode(), status_code=200, media_type="application/json")
-        return _error(502, f"no decode upstream succeeded ({last})", "upstream_error")
-
-    async def _decode_stream(
-        self,
-        request: Request,
-        route: str,
-        body: dict[str, Any],
-        p_params: dict[str, Any] | None,
-        headers: dict[str, str],
-        start: float,
-        ctx: tuple[Any, ...],
-    ) -> Response | SseStream:
-        assert self.client is not None
-        t = self.config.timeouts
-        last = "no decode upstream available"
-        for member in self._attempts(self.decode, None):
-            member.outstanding += 1
-            t0 = time.perf_counter()
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.decode_idle)
-            payload = json.dumps(protocol.d_request(body, p_params), separators=(",", ":")).encode()
-            resp: aiohttp.ClientResponse | None = None
-            try:
-                resp = await self._race_disconnect(
-                    request,
-                    asyncio.wait_for(
-                        self.client.post(
-                            member.url + route, data=payload, headers=dict(headers, **{"content-type": "application/json"}), timeout=timeout
-                        ),
-                        t.decode_first_byte,
-                    ),
-                )
-                if resp.status != 200:
-                    buffered = Buffered(resp.status, resp.headers.get("content-type", "application/json"), await resp.read())
-                    resp.release()
-                    if resp.status >= 500:
-                        raise UpstreamFailed(resp.status, f"HTTP {resp.status}")
-                    member.outstanding -= 1
-                    return self._passthrough_error(buffered)
-                # Hold the response until D's first body bytes: until then a failing D can be swapped for another.
-                chunks = resp.content.iter_any()
-                first = await self._race_disconnect(request, asyncio.wait_for(chunks.__anext__(), t.decode_first_byte))
-            except ClientGone:
-                if resp is not None:
-                    resp.close()
-                member.outstanding -= 1
-                raise
-            except (*UPSTREAM_ERRORS, StopAsyncIteration, UpstreamFailed) as exc:
-                kind = f"http_{exc.status}" if isinstance(exc, UpstreamFailed) else type(exc).__name__
-                if resp is not None:
-                    resp.close()
-                member.outstanding -= 1
-                last = self._failed(self.decode, member, kind)
-                continue
-            self.decode.success(member)
-            self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
-            return SseStream(
-                self._relay(resp, chunks, first, member, route, start, ctx), resp.headers.get("content-type", "text/event-stream")
-            )
-        return _error(502, f"no decode upstream succeeded ({last})", "upstream_error")
-
-    async def _relay(
-        self,
-        resp: aiohttp.ClientResponse,
-        chunks: AsyncIterator[bytes],
-        first_chunk: bytes,
-        member: Upstream,
-        route: str,
-        start: float,
-        ctx: tuple[Any, ...],
-    ) -> AsyncIterator[bytes]:
-        capture = protocol.StreamCapture()
-        chat = route == CHAT
-        completed = False
-        first = True
+        answer = decoded.answer
         try:
-            out = capture.feed(first_chunk, chat)
-            if out:
-                self.metrics.ttft.observe(time.perf_counter() - start)
-                first = False
-                yield out
-            async for chunk in chunks:
-                out = capture.feed(chunk, chat)
-                if out:
-                    if first:
-                        self.metrics.ttft.observe(time.perf_counter() - start)
-                        first = False
-                    yield out
-            rest = capture.flush()
-            if rest:
-                yield rest
-            completed = True
-        except UPSTREAM_ERRORS as exc:
-            # Mid-stream failure: the client already has bytes, so no retry; end the stream with an error event.
-            self.metrics.upstream_errors.labels("decode", member.name, type(exc).__name__).inc()
-            self.decode.failure(member, type(exc).__name__)
-            err = {"error": {"message": f"decode {member.name} failed mid-stream: {type(exc).__name__}", "type": "upstream_error"}}
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
-        finally:
-            member.outstanding -= 1
-            if completed:
-                resp.release()  # keep the connection for the next request
+            data = answer.json()
+        except ValueError:
+            return Response(answer.content, status_code=answer.status, media_type=answer.content_type)
+        if not isinstance(data, dict):
+            return Response(answer.content, status_code=answer.status, media_type=answer.content_type)
+        reply = Reply.of(data)
+        data.pop(contracts.KV_TRANSFER_PARAMS, None)
+        await self._after_decode(ident, body, reply, decoded.member)
+        self.metrics.ttft.observe(time.perf_counter() - start)
+        return Response(json.dumps(data, ensure_ascii=False).encode(), status_code=200, media_type="application/json")
+
+    def _relay(
+        self, decoded: DecodeStream, body: dict[str, Any], ident: sessions.Identity | None, start: float, account: RequestAccount
+    ) -> SseRelay:
+        keep = self.config.reuse and ident is not None
+        member = decoded.member
+
+        async def on_close(outcome: RelayOutcome) -> None:
+            if outcome.error is not None and not outcome.error.startswith("client"):
+                self.metrics.upstream_errors.labels("decode", member.name, outcome.error).inc()
+                self.decode.failure(member, outcome.error)
+            upstream_failed = outcome.error is not None and not outcome.error.startswith("client")
+            account.finish(200 if outcome.completed else 502 if upstream_failed else 499)
+            if not outcome.completed:
+                return
+            if keep:
+                reply = Reply.of(outcome.kept)
+                reply.params = outcome.params
+                await self._after_decode(ident, body, reply, member)
             else:
-                resp.close()  # client gone or D failed: drop the connection, which cancels D's request
-            self.metrics.requests.labels(route, "200" if completed else "499").inc()
-            self.metrics.in_flight.dec()
-        if completed:
-            reply = capture.assistant_message() if chat else {"role": "assistant", "content": "".join(capture.text)}
-            await self._after_decode(ctx, reply, capture.finish_reason, capture.params, member)
+                self.turn.observe_decode(member, outcome.params)
+
+        return SseRelay(
+            decoded.chunks,
+            decoded.first,
+            decoded.response.headers.get("content-type", "text/event-stream"),
+            decoded.close,
+            on_close,
+            lambda: self.metrics.ttft.observe(time.perf_counter() - start),
+            keep,
+            UPSTREAM_ERRORS,
+        )

@@ -13,9 +13,19 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter("bpdkv_router_requests", "Client requests by route and status", ["route", "status"], registry=r)
         self.reuse = Counter(
-            "bpdkv_router_reuse", "Reuse outcome per request: hit, miss, expired, mismatch, skipped, unavailable", ["outcome"], registry=r
+            "bpdkv_router_reuse",
+            "Reuse outcome per request: hit, partial, miss, mismatch, expired, refused, skipped, unavailable",
+            ["outcome"],
+            registry=r,
         )
         self.stored = Counter("bpdkv_router_sessions_stored", "D locations stored for a next turn", registry=r)
+        self.store_refused = Counter(
+            "bpdkv_router_sessions_not_stored", "D locations not stored: a live entry of that session id has another history", registry=r
+        )
+        self.reuse_fallbacks = Counter(
+            "bpdkv_router_reuse_fallbacks", "Turns P failed while pulling D's KV, served again without D's params", ["reason"], registry=r
+        )
+        self.rejected = Counter("bpdkv_router_rejected", "Requests the router refused before any upstream saw them", ["reason"], registry=r)
         self.d_params_missing = Counter(
             "bpdkv_router_d_params_missing", "D finished without returning kv_transfer_params (unpatched streaming?)", registry=r
         )

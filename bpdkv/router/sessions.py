@@ -1,9 +1,18 @@
 """Session identity (which stored D location belongs to this request) and the session stores.
 
-Identity, automatic by default: a chained digest over the canonical chat history, so the digest of
-"messages of turn k + assistant reply k" equals the digest of the first messages of turn k+1 — clients need
-no change. Everything is scoped by tenant, model and whatever changes the prompt's tokens (tools,
-chat_template_kwargs, cache_salt), so sessions can never cross tenants or templates.
+Identity, automatic by default: a chained digest over the chat history exactly as the client sent it (no
+normalisation: two prompts the model sees differently never share a digest), so the digest of "messages of turn k +
+assistant reply k" equals the digest of the first messages of turn k+1 — clients need no change. Everything is scoped
+by tenant, model and whatever changes the prompt's tokens (tools, chat_template_kwargs, cache_salt), so sessions can
+never cross tenants or templates.
+
+An explicit session id (header or body field) is bound to its history too: a stored entry is only taken by a request
+whose history extends the entry's, and stored only where no live entry of that id is (`put(..., only_if_absent)`), so
+naming another conversation's id neither consumes nor overwrites its entry.
+
+Reasoning traces (`reasoning_content`) are not part of the identity: most chat templates drop them from past turns,
+and clients often do. D's KV then holds the trace the next prompt lacks; P's connector cuts the pull where the tokens
+differ, and the router counts such a turn as `partial`, not `hit`.
 """
 
 from __future__ import annotations
@@ -16,12 +25,16 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 log = logging.getLogger("bpdkv.router")
 
 TOKEN_BLOCK = 64  # token-id prompts are matched at 64-token boundaries
 MAX_CANDIDATES = 512
+MAX_CHAT_CANDIDATES = 8  # most recent assistant turns looked up
+CHAT = "/v1/chat/completions"
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 def _h(*parts: bytes) -> bytes:
@@ -49,38 +62,33 @@ def scope_digest(tenant: str, route: str, body: dict[str, Any]) -> bytes:
     return _h(_canon(scope))
 
 
-def _canon_content(content: Any) -> Any:
-    if isinstance(content, str):
-        return content.strip()
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                parts.append(str(part.get("text", "")).strip())
-            else:
-                parts.append(part)
-        if all(isinstance(p, str) for p in parts):
-            return "".join(parts)
-        return parts
-    return content
+def _tool_call(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function")
+    fn = fn if isinstance(fn, dict) else {}
+    # Streaming clients keep the delta's "index"; the model never sees it.
+    return {"id": call.get("id"), "type": call.get("type") or "function", "name": fn.get("name"), "arguments": fn.get("arguments")}
 
 
 def canonical_message(msg: Any) -> bytes:
+    """What the model sees of one message, exactly (content is not stripped or merged). Reasoning is left out."""
     if not isinstance(msg, dict):
         return _canon(msg)
-    canon: dict[str, Any] = {"role": msg.get("role"), "content": _canon_content(msg.get("content")) or ""}
+    content = msg.get("content")
+    canon: dict[str, Any] = {"role": msg.get("role"), "content": "" if content is None else content}
     if msg.get("name"):
         canon["name"] = msg["name"]
     if msg.get("tool_call_id"):
         canon["tool_call_id"] = msg["tool_call_id"]
     calls = msg.get("tool_calls")
     if isinstance(calls, list) and calls:
-        canon["tool_calls"] = [
-            {"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
-            for c in calls
-            if isinstance(c, dict)
-        ]
+        canon["tool_calls"] = [_tool_call(c) for c in calls]
     return _canon(canon)
+
+
+def has_reasoning(msg: Any) -> bool:
+    return isinstance(msg, dict) and any(isinstance(msg.get(k), str) and msg.get(k) for k in REASONING_FIELDS)
 
 
 def chat_chain(scope: bytes, messages: list[Any]) -> list[bytes]:
@@ -109,13 +117,37 @@ def token_digest(scope: bytes, tokens: list[int]) -> str:
     return _h(scope, array("q", tokens).tobytes()).hex()
 
 
-@dataclass(frozen=True)
-class Identity:
-    """Where a request may find a stored D location, and what it stores after the turn."""
+def text_digest(scope: bytes, text: str) -> str:
+    return _h(scope, b"text", text.encode()).hex()
 
-    lookup_keys: list[str]  # most specific first
-    history: set[str]  # digests the stored entry's history must be one of (checked on hit)
-    explicit: bool
+
+def _explicit_key(scope: bytes, session_id: str) -> str:
+    return "x:" + _h(scope, b"session", session_id.encode()).hex()
+
+
+def _int_tokens(prompt: Any) -> list[int] | None:
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+class Reuse(str, Enum):
+    """Reuse outcome of one request (metric label)."""
+
+    HIT = "hit"  # D's KV covers the whole history before the new messages
+    PARTIAL = "partial"  # D's KV covers a prefix only (the client dropped the reasoning trace D's KV holds)
+    MISS = "miss"  # nothing stored for this history
+    MISMATCH = "mismatch"  # an entry under this session id belongs to another history: left alone
+    EXPIRED = "expired"  # D has freed (or is about to free) the blocks
+    REFUSED = "refused"  # the D holding the blocks restarted, is unhealthy or gone: not offered to P
+    SKIPPED = "skipped"  # not eligible (n > 1, reuse off, text prompt without session id)
+    UNAVAILABLE = "unavailable"  # the session store (Redis) failed
+
+
+class Verdict(str, Enum):
+    TAKE = "take"
+    LEAVE = "leave"  # not this request's: keep it for its owner
+    DROP = "drop"  # dead: delete it
 
 
 @dataclass
@@ -123,8 +155,10 @@ class SessionEntry:
     params: dict[str, Any]
     expires_at: float  # router wall clock (epoch seconds), shared by replicas
     history: str  # digest of the history the KV covers
-    length: int = 0  # token-id prompts: length the history digest covers
-    decode: str = ""
+    length: int = 0  # token-id and text prompts: length the history digest covers
+    decode: str = ""  # upstream name of the D holding the blocks
+    stored_at: float = 0.0  # router wall clock
+    reasoning: bool = False  # D's reply carried a reasoning trace (its KV holds it)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -135,15 +169,125 @@ class SessionEntry:
         return SessionEntry(**data)
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Where a request may find a stored D location, how to judge an entry found there, and where to store the next."""
+
+    scope: bytes
+    route: str
+    lookup_keys: tuple[str, ...]  # most specific first
+    session_id: str | None  # explicit id (header or field)
+    affinity: bytes | None  # P selection: a conversation keeps its P's prefix cache
+    prefixes: frozenset[str] = frozenset()  # chat: digests of every prefix of this request's history
+    with_reasoning: frozenset[str] = frozenset()  # chat: prefixes ending in an assistant turn that kept its reasoning
+    tokens: tuple[int, ...] | None = None  # token-id prompt
+    text: str | None = None  # text prompt (explicit ids only)
+
+    def covers(self, entry: SessionEntry) -> bool:
+        """The stored KV is a prefix of this request's prompt (the history matches)."""
+        if self.route == CHAT:
+            return entry.history in self.prefixes
+        if self.tokens is not None:
+            return 0 < entry.length <= len(self.tokens) and token_digest(self.scope, list(self.tokens[: entry.length])) == entry.history
+        if self.text is not None:
+            return 0 < entry.length <= len(self.text) and text_digest(self.scope, self.text[: entry.length]) == entry.history
+        return False
+
+    def outcome_of(self, entry: SessionEntry) -> Reuse:
+        if self.route == CHAT and entry.reasoning and entry.history not in self.with_reasoning:
+            return Reuse.PARTIAL
+        return Reuse.HIT
+
+
+def identify(route: str, tenant: str, body: dict[str, Any], session_id: str | None, mode: str) -> Identity | None:
+    """The request's identity, or None when it is not eligible for reuse (n > 1, no usable history)."""
+    if (body.get("n") or 1) != 1:
+        return None
+    scope = scope_digest(tenant, route, body)
+    explicit = session_id if (mode != "auto" or session_id) else None
+    if route == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        chain = chat_chain(scope, messages)
+        affinity = chain[min(1, len(chain) - 1)]
+        reasoning = frozenset(chain[i].hex() for i, m in enumerate(messages) if has_reasoning(m))
+        prefixes = frozenset(h.hex() for h in chain[:-1])
+        if explicit:
+            return Identity(scope, route, (_explicit_key(scope, explicit),), explicit, _h(scope, explicit.encode()), prefixes, reasoning)
+        if mode != "auto":
+            return None
+        keys: list[str] = []
+        for i in range(len(messages) - 2, -1, -1):
+            if isinstance(messages[i], dict) and messages[i].get("role") == "assistant":
+                keys.append("c:" + chain[i].hex())
+                if len(keys) >= MAX_CHAT_CANDIDATES:
+                    break
+        return Identity(scope, route, tuple(keys), None, affinity, prefixes, reasoning)
+    prompt = body.get("prompt")
+    tokens = _int_tokens(prompt)
+    if explicit:
+        text = prompt if isinstance(prompt, str) else None
+        if tokens is None and text is None:
+            return None
+        return Identity(
+            scope,
+            route,
+            (_explicit_key(scope, explicit),),
+            explicit,
+            _h(scope, explicit.encode()),
+            tokens=tuple(tokens or ()) or None,
+            text=text,
+        )
+    if tokens is None or mode != "auto":
+        return None
+    chain_t = token_chain(scope, tokens)
+    affinity_t = chain_t[0][1] if chain_t else None
+    keys = ["t:" + h.hex() for _, h in reversed(chain_t)][:MAX_CANDIDATES]
+    return Identity(scope, route, tuple(keys), None, affinity_t, tokens=tuple(tokens))
+
+
+def to_store(
+    ident: Identity, body: dict[str, Any], reply: dict[str, Any] | None, params: dict[str, Any], decode: str, now: float
+) -> tuple[str, SessionEntry, bool] | None:
+    """(key, entry, only_if_absent) for D's location after this turn, or None when nothing can find it again."""
+    entry = SessionEntry(params=params, expires_at=0.0, history="", decode=decode, stored_at=now)
+    if ident.route == CHAT:
+        if reply is None:
+            return None
+        visible = {k: v for k, v in reply.items() if k not in REASONING_FIELDS}
+        entry.reasoning = has_reasoning(reply)
+        entry.history = chat_chain(ident.scope, [*body.get("messages", []), visible])[-1].hex()
+        key = _explicit_key(ident.scope, ident.session_id) if ident.session_id else "c:" + entry.history
+        return key, entry, ident.session_id is not None
+    text = (reply or {}).get("content") if isinstance((reply or {}).get("content"), str) else ""
+    if ident.tokens is not None:
+        entry.history = token_digest(ident.scope, list(ident.tokens))
+        entry.length = len(ident.tokens)
+        if ident.session_id:
+            return _explicit_key(ident.scope, ident.session_id), entry, True
+        chain = token_chain(ident.scope, list(ident.tokens))
+        return ("t:" + chain[-1][1].hex(), entry, False) if chain else None
+    if ident.text is not None and ident.session_id:
+        # The next prompt of a text conversation starts with this prompt and D's answer.
+        entry.history = text_digest(ident.scope, ident.text + str(text))
+        entry.length = len(ident.text) + len(str(text))
+        return _explicit_key(ident.scope, ident.session_id), entry, True
+    return None
+
+
 class StoreUnavailable(Exception):
     pass
 
 
 class SessionStore(Protocol):
-    async def put(self, key: str, entry: SessionEntry, ttl: float) -> None: ...
+    async def put(self, key: str, entry: SessionEntry, ttl: float, only_if_absent: bool = False) -> bool:
+        """Store; with only_if_absent, a live entry under key stays and False is returned."""
+        ...
 
-    async def take(self, keys: list[str]) -> tuple[str, SessionEntry] | None:
-        """Atomically remove and return the first present entry among keys (entries are single-use)."""
+    async def take(self, keys: list[str], judge: Callable[[SessionEntry], Verdict]) -> tuple[SessionEntry | None, list[Verdict]]:
+        """The first entry among keys that judge() takes, removed atomically (entries are single-use). Entries judged
+        DROP are deleted, LEAVE ones stay untouched. Also returns the verdicts given, for the outcome metric."""
         ...
 
     async def count(self) -> int: ...
@@ -159,12 +303,17 @@ class MemoryStore:
         self._max = max_entries
         self._clock = clock
 
-    async def put(self, key: str, entry: SessionEntry, ttl: float) -> None:
+    async def put(self, key: str, entry: SessionEntry, ttl: float, only_if_absent: bool = False) -> bool:
+        if only_if_absent:
+            live = self._data.get(key)
+            if live is not None and live.expires_at > self._clock():
+                return False
         self._data.pop(key, None)
         self._data[key] = entry
         self._purge_front()
         if len(self._data) > self._max:
             self._evict()
+        return True
 
     def _purge_front(self, budget: int = 32) -> None:
         """Abandoned conversations never come back for their entry: drop expired ones from the old end, a few per put."""
@@ -182,12 +331,20 @@ class MemoryStore:
         while len(self._data) > self._max:
             del self._data[next(iter(self._data))]
 
-    async def take(self, keys: list[str]) -> tuple[str, SessionEntry] | None:
+    async def take(self, keys: list[str], judge: Callable[[SessionEntry], Verdict]) -> tuple[SessionEntry | None, list[Verdict]]:
+        verdicts: list[Verdict] = []
         for key in keys:
-            entry = self._data.pop(key, None)
-            if entry is not None:
-                return key, entry
-        return None
+            entry = self._data.get(key)
+            if entry is None:
+                continue
+            verdict = judge(entry)
+            verdicts.append(verdict)
+            if verdict is Verdict.LEAVE:
+                continue
+            del self._data[key]
+            if verdict is Verdict.TAKE:
+                return entry, verdicts
+        return None, verdicts
 
     async def count(self) -> int:
         now = self._clock()
@@ -197,6 +354,10 @@ class MemoryStore:
 
     async def close(self) -> None:
         self._data.clear()
+
+
+# Compare-and-delete: the take of one worker never removes an entry another worker stored in between.
+DELETE_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end"
 
 
 class RedisStore:
@@ -210,6 +371,7 @@ class RedisStore:
         # options: password / ssl_ca_certs (bpdkv.router.security.redis_options)
         self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False, **options)
         self._timeout = timeout
+        self._del_if = self._redis.register_script(DELETE_IF_EQUAL)
 
     async def _call(self, coro: Any) -> Any:
         import redis
@@ -219,20 +381,31 @@ class RedisStore:
         except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
             raise StoreUnavailable(type(exc).__name__) from None
 
-    async def put(self, key: str, entry: SessionEntry, ttl: float) -> None:
-        await self._call(self._redis.set(self.PREFIX + key, entry.to_json(), px=max(int(ttl * 1000), 1)))
+    async def put(self, key: str, entry: SessionEntry, ttl: float, only_if_absent: bool = False) -> bool:
+        done = await self._call(self._redis.set(self.PREFIX + key, entry.to_json(), px=max(int(ttl * 1000), 1), nx=only_if_absent))
+        return bool(done)
 
-    async def take(self, keys: list[str]) -> tuple[str, SessionEntry] | None:
+    async def take(self, keys: list[str], judge: Callable[[SessionEntry], Verdict]) -> tuple[SessionEntry | None, list[Verdict]]:
+        verdicts: list[Verdict] = []
         if not keys:
-            return None
+            return None, verdicts
         values = await self._call(self._redis.mget([self.PREFIX + k for k in keys]))
         for key, value in zip(keys, values, strict=True):
             if value is None:
                 continue
-            raw = await self._call(self._redis.getdel(self.PREFIX + key))
-            if raw is not None:  # None: another replica took it first
-                return key, SessionEntry.from_json(raw)
-        return None
+            try:
+                entry = SessionEntry.from_json(value)
+            except (ValueError, TypeError):
+                entry = None
+            verdict = Verdict.DROP if entry is None else judge(entry)
+            verdicts.append(verdict)
+            if verdict is Verdict.LEAVE:
+                continue
+            # Delete only the value judged: if another worker replaced it meanwhile, that one is not ours to take.
+            deleted = await self._call(self._del_if(keys=[self.PREFIX + key], args=[value]))
+            if verdict is Verdict.TAKE and deleted and entry is not None:
+                return entry, verdicts
+        return None, verdicts
 
     async def count(self) -> int:
         total = 0

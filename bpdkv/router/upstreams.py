@@ -1,4 +1,8 @@
-"""P and D pools: selection (least outstanding, P with session affinity), active health checks, ejection."""
+"""P and D pools: selection (least outstanding, P with session affinity), active health checks, ejection, drain.
+
+Every request an upstream serves is held through one `Lease` (acquired when the request is sent, released exactly once
+whichever way it ends), so `outstanding` — what least-loaded picks and what drain waits for — cannot leak.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import aiohttp
 
 log = logging.getLogger("bpdkv.router")
+
+
+class UpstreamState(str, Enum):
+    SERVING = "serving"
+    DRAINING = "draining"  # admin drain, requests still in flight
+    DRAINED = "drained"  # admin drain, nothing in flight
+    UNHEALTHY = "unhealthy"  # failed its health check or ejected after failures
 
 
 @dataclass
@@ -25,9 +37,76 @@ class Upstream:
     ejections: int = 0
     healthy: bool = True  # last active check
     last_error: str = ""
+    drained: bool = False  # admin: no new requests
+    # Stored sessions from before this wall-clock time point at blocks this D no longer holds (it restarted).
+    restarted_at: float = 0.0
+    engine_id: str | None = None  # the NIXL engine id D last returned; a new one means D restarted
+    engine_seen_at: float = 0.0  # wall clock of that observation
+    suspect_engine: str | None = None  # a pull from this engine failed; cleared when D answers with it again
 
     def available(self, now: float) -> bool:
-        return self.healthy and now >= self.ejected_until
+        return self.healthy and now >= self.ejected_until and not self.drained
+
+    def state(self, now: float) -> UpstreamState:
+        if self.drained:
+            return UpstreamState.DRAINING if self.outstanding else UpstreamState.DRAINED
+        if not (self.healthy and now >= self.ejected_until):
+            return UpstreamState.UNHEALTHY
+        return UpstreamState.SERVING
+
+    def describe(self, now: float) -> dict[str, object]:
+        """The admin API's view of this upstream."""
+        return {"name": self.name, "role": self.role, "url": self.url, "state": self.state(now).value, "in_flight": self.outstanding}
+
+    def lease(self) -> Lease:
+        return Lease(self)
+
+    def observe_engine(self, engine: str, at: float, fresh: bool) -> None:
+        """D told us (fresh: in its own answer; else: through an entry another router worker stored) which engine
+        holds its blocks. A new engine means D restarted: blocks stored before `at` are gone."""
+        if fresh and engine == self.suspect_engine:
+            self.suspect_engine = None  # it answers with that engine: the failed pull was not a restart
+        if at < self.engine_seen_at:
+            return
+        if self.engine_id is not None and engine != self.engine_id:
+            self.restarted_at = max(self.restarted_at, at)
+            log.info("%s %s has a new engine (restarted): its older sessions are forgotten", self.role, self.name)
+        self.engine_id, self.engine_seen_at = engine, at
+
+    def holds(self, engine: str | None, stored_at: float) -> bool:
+        """Whether blocks this D stored at `stored_at` under `engine` can still be there."""
+        if not self.healthy or time.monotonic() < self.ejected_until:
+            return False
+        if engine is None or engine == self.suspect_engine or stored_at < self.restarted_at:
+            return False
+        if self.engine_id is not None and engine != self.engine_id:
+            if stored_at > self.engine_seen_at:  # newer news (another worker saw D's new engine first)
+                self.observe_engine(engine, stored_at, fresh=False)
+                return True
+            return False
+        return True
+
+
+class Lease:
+    """One request in flight on one upstream; release() is idempotent, so every exit path may call it."""
+
+    __slots__ = ("member", "_held")
+
+    def __init__(self, member: Upstream) -> None:
+        self.member = member
+        member.outstanding += 1
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.member.outstanding -= 1
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass
@@ -44,13 +123,17 @@ class Pool:
     def __post_init__(self) -> None:
         self._by_name = {m.name: m for m in self.members}
 
+    def member(self, name: str) -> Upstream | None:
+        return self._by_name.get(name)
+
     def candidates(self, exclude: set[str]) -> list[Upstream]:
         now = self.clock()
         live = [m for m in self.members if m.name not in exclude and m.available(now)]
         if live:
             return live
-        # Everything ejected: try the ones not excluded anyway rather than failing without trying.
-        return [m for m in self.members if m.name not in exclude]
+        # Everything ejected: try the ones not excluded anyway rather than failing without trying. Drained ones
+        # never: an operator took them out (a restart may be under way).
+        return [m for m in self.members if m.name not in exclude and not m.drained]
 
     def pick(self, affinity: bytes | None = None, exclude: set[str] | None = None) -> Upstream | None:
         pool = self.candidates(exclude or set())
@@ -100,6 +183,7 @@ async def check_all(pools: list[Pool], client: aiohttp.ClientSession, timeout: f
             ok, err = False, type(exc).__name__
         if ok and not member.healthy:
             log.info("%s %s healthy again", pool.role, member.name)
+            member.restarted_at = time.time()  # it may have restarted: its old blocks are gone
         if not ok and member.healthy:
             log.warning("%s %s failed health check: %s", pool.role, member.name, err)
         member.healthy = ok

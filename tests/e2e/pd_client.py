@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
 
+from bpdkv import contracts
 from bpdkv.bench.runner import metric_value
-from bpdkv.router.protocol import P_TEMPLATE as TEMPLATE
+from bpdkv.router.relay import Reply, sse_events
+from bpdkv.router.turn import TurnClient
+
+TEMPLATE = contracts.prefill_template()
 
 
 def sse(resp: httpx.Response) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
-    text, params, events = [], None, []
-    for line in resp.iter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        events.append(event)
-        if "kv_transfer_params" in event:
-            params = event["kv_transfer_params"]
-        for choice in event.get("choices", []):
-            text.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
-    return "".join(text), params, events
+    events = list(sse_events(resp.iter_lines()))
+    reply = Reply()
+    for event in events:
+        reply.add_event(event)
+    return reply.text, reply.params, events
 
 
 def turn(
@@ -36,22 +33,8 @@ def turn(
     p_extra: dict[str, Any] | None = None,
 ) -> tuple[str, dict[str, Any] | None]:
     """One turn: returns (D's text, D's returned kv_transfer_params). p_extra: fields for P only (e.g. cache_salt)."""
-    p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params=d_params or dict(TEMPLATE), **(p_extra or {}))
-    p = httpx.post(p_url + route, json=p_body, timeout=timeout)
-    p.raise_for_status()
-    p_params = p.json()["kv_transfer_params"]
-    d_body = dict(body, stream=stream, kv_transfer_params=p_params)
-    if not stream:
-        d = httpx.post(d_url + route, json=d_body, timeout=timeout)
-        d.raise_for_status()
-        data = d.json()
-        choice = data["choices"][0]
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
-        return text, data.get("kv_transfer_params")
-    with httpx.stream("POST", d_url + route, json=d_body, timeout=timeout) as resp:
-        resp.raise_for_status()
-        text, params, _ = sse(resp)
-    return text, params
+    reply = TurnClient(p_url, d_url, timeout).turn(route, body, d_params, stream, p_extra)
+    return reply.text, reply.params
 
 
 def reference(url: str, route: str, body: dict[str, Any], timeout: float = 120) -> str:

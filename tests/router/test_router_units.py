@@ -1,4 +1,4 @@
-"""Pure pieces of the router: identity digests, SSE capture, selection, config loading."""
+"""Pure pieces of the router: identity digests, SSE relay, selection, stores, input checks, config loading."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bpdkv.render import render_topology
+from bpdkv.router.app import json_depth_exceeds, sanitize, shape_problem
 from bpdkv.router.config import RouterConfigError, config_from_dict, load_config
-from bpdkv.router.protocol import StreamCapture, p_request, sanitize
-from bpdkv.router.sessions import chat_chain, scope_digest, token_chain
+from bpdkv.router.relay import RelayOutcome, Reply, SseRelay, strip_params
+from bpdkv.router.sessions import MemoryStore, SessionEntry, Verdict, chat_chain, scope_digest, token_chain
+from bpdkv.router.turn import prefill_body
 from bpdkv.router.upstreams import Pool, Upstream
 from bpdkv.topology.loader import load_topology
 from tests.conftest import ROOT
@@ -21,9 +23,14 @@ from tests.conftest import ROOT
 def test_chat_chain_prefix_property() -> None:
     scope = scope_digest("t", "/v1/chat/completions", {"model": "m"})
     turn1 = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
-    reply = {"role": "assistant", "content": "a1 "}
-    turn2 = turn1 + [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
-    assert chat_chain(scope, turn1 + [reply])[-1] == chat_chain(scope, turn2)[2]  # whitespace-insensitive
+    reply = {"role": "assistant", "content": "a1"}
+    turn2 = turn1 + [{"role": "assistant", "content": "a1", "reasoning_content": "hmm"}, {"role": "user", "content": "u2"}]
+    assert chat_chain(scope, turn1 + [reply])[-1] == chat_chain(scope, turn2)[2]  # reasoning is not identity
+    # Exact on what the model sees: a whitespace-only change is another prompt.
+    spaced = [{"role": "system", "content": "s "}, {"role": "user", "content": "u1"}]
+    assert chat_chain(scope, spaced)[-1] != chat_chain(scope, turn1)[-1]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "s"}]}, {"role": "user", "content": "u1"}]
+    assert chat_chain(scope, parts)[-1] != chat_chain(scope, turn1)[-1]
     other_tenant = scope_digest("u", "/v1/chat/completions", {"model": "m"})
     assert chat_chain(other_tenant, turn2)[2] != chat_chain(scope, turn2)[2]
     with_tools = scope_digest("t", "/v1/chat/completions", {"model": "m", "tools": [{"type": "function"}]})
@@ -41,7 +48,7 @@ def test_token_chain_blocks() -> None:
 def test_sanitize_strips_params_and_session_fields() -> None:
     body, sid = sanitize({"kv_transfer_params": {"remote_host": "x"}, "session_id": "s1", "conversation_id": "c", "model": "m"})
     assert body == {"model": "m"} and sid == "s1"
-    req = p_request({"model": "m", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 99}, None)
+    req = prefill_body({"model": "m", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 99}, None)
     assert req["max_tokens"] == 1 and req["stream"] is False and "stream_options" not in req
     assert req["kv_transfer_params"]["do_remote_decode"] is True
 
@@ -50,8 +57,58 @@ def _sse(obj: dict) -> bytes:  # type: ignore[type-arg]
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+class FakeChunks:
+    """D's body as an async iterator of chunks."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = list(chunks)
+
+    def __aiter__(self) -> FakeChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self.chunks:
+            raise StopAsyncIteration
+        return self.chunks.pop(0)
+
+
+def _relay(raw: bytes, cuts: list[int], send_fails: bool = False) -> tuple[bytes, list[RelayOutcome], list[bool]]:
+    import asyncio
+
+    pieces, pos = [], 0
+    for cut in cuts:
+        pieces.append(raw[pos : pos + cut])
+        pos += cut
+    pieces.append(raw[pos:])
+    pieces = [p for p in pieces if p] or [b""]
+    sent: list[bytes] = []
+    outcomes: list[RelayOutcome] = []
+    closed: list[bool] = []
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        if send_fails:
+            raise OSError("client gone")
+        sent.append(message.get("body", b""))
+
+    async def receive():  # type: ignore[no-untyped-def]
+        await asyncio.sleep(3600)
+
+    async def on_close(outcome: RelayOutcome) -> None:
+        outcomes.append(outcome)
+
+    async def scenario() -> None:
+        relay = SseRelay(FakeChunks(pieces[1:]), pieces[0], "text/event-stream", closed.append, on_close, lambda: None, True, (OSError,))
+        try:
+            await relay.send_to(send, receive)
+        finally:
+            await relay.close(False)
+
+    asyncio.run(scenario())
+    return b"".join(sent), outcomes, closed
+
+
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=30))
-def test_stream_capture_any_chunking(cuts: list[int]) -> None:
+def test_relay_any_chunking(cuts: list[int]) -> None:
     events = [_sse({"id": "1", "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]}) for i in range(5)]
     events.append(
         _sse(
@@ -63,26 +120,49 @@ def test_stream_capture_any_chunking(cuts: list[int]) -> None:
         )
     )
     events.append(b"data: [DONE]\n\n")
-    raw = b"".join(events)
-    capture = StreamCapture()
-    out = b""
-    pos = 0
-    for cut in cuts:
-        out += capture.feed(raw[pos : pos + cut], chat=True)
-        pos += cut
-    out += capture.feed(raw[pos:], chat=True) + capture.flush()
-    assert capture.params == {"remote_block_ids": [1]}
-    assert capture.finish_reason == "stop"
-    assert "".join(capture.text) == "w0 w1 w2 w3 w4 end"
+    out, outcomes, closed = _relay(b"".join(events), cuts)
+    assert len(outcomes) == 1 and closed == [True]  # closed once, connection kept
+    outcome = outcomes[0]
+    assert outcome.completed and outcome.params == {"remote_block_ids": [1]}
+    reply = Reply.of(outcome.kept)
+    assert reply.finish_reason == "stop" and reply.text == "w0 w1 w2 w3 w4 end"
     assert b"kv_transfer_params" not in out and out.endswith(b"data: [DONE]\n\n")
 
 
 def test_params_only_chunk_is_dropped() -> None:
-    capture = StreamCapture()
-    out = capture.feed(
-        _sse({"id": "1", "object": "x", "created": 1, "model": "m", "choices": [], "kv_transfer_params": {"a": 1}}), chat=True
+    out, params = strip_params(_sse({"id": "1", "object": "x", "created": 1, "model": "m", "choices": [], "kv_transfer_params": {"a": 1}}))
+    assert out == b"" and params == {"a": 1}
+
+
+def test_streamed_parallel_tool_calls_rebuild_the_message() -> None:
+    def delta(d: dict, finish: str | None = None) -> bytes:  # type: ignore[type-arg]
+        return _sse({"id": "1", "choices": [{"index": 0, "delta": d, "finish_reason": finish}]})
+
+    raw = b"".join(
+        [
+            delta({"role": "assistant", "content": None}),
+            delta({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}),
+            delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+            delta({"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}),
+            delta({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
+        ]
     )
-    assert out == b"" and capture.params == {"a": 1}
+    reply = Reply.of(raw)
+    assert reply.finish_reason == "tool_calls"
+    assert reply.message() == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+        ],
+    }
+
+
+def test_stream_abandoned_before_first_byte_releases_upstream_once() -> None:
+    out, outcomes, closed = _relay(_sse({"choices": []}) + b"data: [DONE]\n\n", [3], send_fails=True)
+    assert out == b"" and closed == [False]  # D's connection dropped, exactly once
+    assert len(outcomes) == 1 and not outcomes[0].completed
 
 
 def test_selection_least_outstanding_with_affinity() -> None:
@@ -114,18 +194,6 @@ def test_bad_router_config_is_one_clear_error() -> None:
         config_from_dict({"listen": "x", "port": 1, "decode": [{"url": "http://d"}]})
 
 
-@given(st.lists(st.text(max_size=12), min_size=1, max_size=8), st.booleans())
-def test_stream_capture_fast_path_equals_full_parse(pieces: list[str], ascii_only: bool) -> None:
-    capture = StreamCapture()
-    raw = b""
-    for piece in pieces:
-        event = {"id": "1", "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
-        raw += b"data: " + json.dumps(event, ensure_ascii=ascii_only).encode() + b"\n\n"
-    out = capture.feed(raw, chat=True)
-    assert out == raw  # passed through untouched
-    assert "".join(capture.text) == "".join(pieces)
-
-
 def test_memory_store_purges_abandoned_entries() -> None:
     import asyncio
 
@@ -143,31 +211,34 @@ def test_memory_store_purges_abandoned_entries() -> None:
     assert asyncio.run(scenario()) <= 11
 
 
-def test_stream_abandoned_before_first_byte_releases_upstream() -> None:
+def test_memory_store_leaves_entries_of_other_histories() -> None:
     import asyncio
 
-    from bpdkv.router.app import SseStream
-
-    released: list[str] = []
-
-    async def body():  # type: ignore[no-untyped-def]
-        try:
-            yield b"data: x\n\n"
-        finally:
-            released.append("relay")
-
-    async def send(message):  # type: ignore[no-untyped-def]
-        raise OSError("client gone")
-
-    async def receive():  # type: ignore[no-untyped-def]
-        await asyncio.sleep(3600)
+    store = MemoryStore(clock=lambda: 0.0)
+    entry = SessionEntry({"p": 1}, expires_at=100, history="mine")
 
     async def scenario() -> None:
-        stream = SseStream(body(), "text/event-stream", abandon=lambda: released.append("abandon"))
-        try:
-            await stream.send_to(send, receive)
-        except OSError:
-            pass
+        assert await store.put("x:1", entry, 100, only_if_absent=True)
+        got, verdicts = await store.take(["x:1"], lambda e: Verdict.LEAVE)
+        assert got is None and verdicts == [Verdict.LEAVE]
+        assert not await store.put("x:1", SessionEntry({}, expires_at=100, history="theirs"), 100, only_if_absent=True)
+        got, _ = await store.take(["x:1"], lambda e: Verdict.TAKE)
+        assert got is entry
+        got, _ = await store.take(["x:1"], lambda e: Verdict.TAKE)
+        assert got is None  # single use
 
     asyncio.run(scenario())
-    assert released == ["abandon"]  # exactly one release, by the abandon path
+
+
+def test_input_shape_and_depth_checks() -> None:
+    chat = "/v1/chat/completions"
+    assert shape_problem(chat, {"messages": [{"role": "user", "content": "hi"}]}) is None
+    assert "messages" in str(shape_problem(chat, {"messages": []}))
+    assert "role" in str(shape_problem(chat, {"messages": [{"content": "hi"}]}))
+    assert "stream" in str(shape_problem(chat, {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}))
+    assert shape_problem("/v1/completions", {"prompt": [1, 2, 3]}) is None
+    assert "prompt" in str(shape_problem("/v1/completions", {"prompt": [1, "a"]}))
+    deep: object = 1
+    for _ in range(200):
+        deep = [deep]
+    assert json_depth_exceeds({"a": deep}, 64) and not json_depth_exceeds({"a": [[1]]}, 64)

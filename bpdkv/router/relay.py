@@ -1,0 +1,269 @@
+"""Server-sent events: D's stream relayed to the client, and the one SSE parser (router, clients, tests).
+
+The relay forwards D's bytes as they arrive, cut at event boundaries (so an event is never split between the
+client and the router's edits) and coalesced (whatever one socket read brought goes out in one write). Only an
+event carrying kv_transfer_params — D's last — is parsed on the way, to take the params out. The assistant reply
+the next turn's identity needs is rebuilt from the kept bytes after the stream ended, and only when it will be
+stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import Receive, Send
+
+from bpdkv import contracts
+
+EVENT_END = b"\n\n"
+PARAMS_MARK = contracts.KV_TRANSFER_PARAMS.encode()
+
+
+def sse_events(raw: bytes | Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of `data:` events ([DONE] and non-JSON lines skipped), from bytes or from lines."""
+    lines: Iterable[bytes | str] = raw.split(b"\n") if isinstance(raw, bytes) else raw
+    for line in lines:
+        text = line.decode() if isinstance(line, bytes) else line
+        text = text.strip()
+        if not text.startswith("data:"):
+            continue
+        payload = text[5:].strip()
+        if not payload or payload == "[DONE]":
+            continue
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            yield event
+
+
+@dataclass
+class Reply:
+    """What a stream (or a whole response) said: the assistant message, finish reason and D's params."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    params: dict[str, Any] | None = None
+    events: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def add_event(self, event: dict[str, Any]) -> None:
+        self.events += 1
+        params = event.get(contracts.KV_TRANSFER_PARAMS)
+        if isinstance(params, dict):
+            self.params = params
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            if isinstance(choice.get(contracts.KV_TRANSFER_PARAMS), dict):  # servers that attach it per choice
+                self.params = choice[contracts.KV_TRANSFER_PARAMS]
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self._add_message(delta, stream=True)
+            elif isinstance(choice.get("message"), dict):
+                self._add_message(choice["message"], stream=False)
+            elif isinstance(choice.get("text"), str):
+                self.content.append(choice["text"])
+
+    def _add_message(self, msg: dict[str, Any], stream: bool) -> None:
+        if isinstance(msg.get("content"), str):
+            self.content.append(msg["content"])
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(msg.get(key), str):
+                self.reasoning.append(msg[key])
+                break
+        for i, call in enumerate(msg.get("tool_calls") or ()):
+            if not isinstance(call, dict):
+                continue
+            index = int(call.get("index", i)) if stream else i
+            slot = self.tool_calls.setdefault(index, {"id": None, "type": "function", "name": "", "arguments": ""})
+            if call.get("id"):
+                slot["id"] = call["id"]
+            if call.get("type"):
+                slot["type"] = call["type"]
+            fn = call.get("function") or {}
+            if fn.get("name"):
+                slot["name"] += fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                slot["arguments"] += fn["arguments"]
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message as a client sends it back next turn."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            msg["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c["id"], "type": c["type"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for _, c in sorted(self.tool_calls.items())
+            ]
+        return msg
+
+    @staticmethod
+    def of(raw: bytes | Iterable[bytes | str] | dict[str, Any]) -> Reply:
+        reply = Reply()
+        if isinstance(raw, dict):
+            reply.add_event(raw)
+        else:
+            for event in sse_events(raw):
+                reply.add_event(event)
+        return reply
+
+
+def strip_params(events: bytes) -> tuple[bytes, dict[str, Any] | None]:
+    """Remove kv_transfer_params from every event of a block of whole events; a chunk that carried only the params
+    disappears. Returns the block to send and the params found."""
+    out: list[bytes] = []
+    found: dict[str, Any] | None = None
+    for event in events.split(EVENT_END):
+        if not event:
+            continue
+        if PARAMS_MARK not in event or not event.startswith(b"data:"):
+            out.append(event + EVENT_END)
+            continue
+        try:
+            data = json.loads(event[5:])
+        except ValueError:
+            out.append(event + EVENT_END)
+            continue
+        if not isinstance(data, dict):
+            out.append(event + EVENT_END)
+            continue
+        params = data.pop(contracts.KV_TRANSFER_PARAMS, None)
+        if isinstance(params, dict):
+            found = params
+        for choice in data.get("choices") or ():
+            if isinstance(choice, dict) and contracts.KV_TRANSFER_PARAMS in choice:
+                inner = choice.pop(contracts.KV_TRANSFER_PARAMS)
+                if isinstance(inner, dict):
+                    found = inner
+        if not data.get("choices") and set(data) - {"choices"} <= {"id", "object", "created", "model"}:
+            continue  # a chunk that only carried the params: the client never sees it
+        out.append(b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + EVENT_END)
+    return b"".join(out), found
+
+
+@dataclass
+class RelayOutcome:
+    completed: bool  # D's stream ended normally and the client got all of it
+    params: dict[str, Any] | None
+    kept: bytes  # D's events (params removed), when asked to keep them
+    error: str | None = None  # mid-stream upstream failure kind
+
+
+class SseRelay:
+    """One streamed response: D's open response → ASGI send. `close()` runs exactly once, whatever happened — client
+    gone before the first byte, mid-stream, or a failing send — and hands the outcome to `on_close`."""
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        first: bytes,
+        content_type: str,
+        close_upstream: Callable[[bool], None],
+        on_close: Callable[[RelayOutcome], Awaitable[None]],
+        on_first_byte: Callable[[], None],
+        keep: bool,
+        upstream_errors: tuple[type[BaseException], ...],
+    ) -> None:
+        self.chunks = chunks
+        self.first = first
+        self.content_type = content_type.encode("latin-1")
+        self.close_upstream = close_upstream  # (reusable) -> release (True) or drop D's connection (False)
+        self.on_close = on_close
+        self.on_first_byte = on_first_byte
+        self.keep = keep
+        self.upstream_errors = upstream_errors
+        self.status_code = 200
+        self._closed = False
+        self._params: dict[str, Any] | None = None
+        self._kept: list[bytes] = []
+
+    def _edit(self, block: bytes) -> bytes:
+        if PARAMS_MARK in block:
+            block, params = strip_params(block)
+            if params is not None:
+                self._params = params
+        if self.keep and block:
+            self._kept.append(block)
+        return block
+
+    async def send_to(self, send: Send, receive: Receive) -> None:
+        relay = asyncio.current_task()
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if relay is not None:
+                        relay.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        completed = False
+        error: str | None = None
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", self.content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
+                }
+            )
+            pending = self.first
+            first_sent = False
+            chunk: bytes | None = b""
+            while chunk is not None:
+                cut = pending.rfind(EVENT_END)
+                if cut >= 0:
+                    block = self._edit(pending[: cut + 2])
+                    pending = pending[cut + 2 :]
+                    if block:
+                        await send({"type": "http.response.body", "body": block, "more_body": True})
+                        if not first_sent:
+                            first_sent = True
+                            self.on_first_byte()
+                try:
+                    chunk = await self.chunks.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+                else:
+                    pending += chunk
+            if pending:
+                await send({"type": "http.response.body", "body": self._edit(pending), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            completed = True
+        except asyncio.CancelledError:
+            pass  # the client went away; close() drops D's connection, which cancels D's request
+        except self.upstream_errors as exc:
+            # Mid-stream failure: the client already has bytes, so no retry; end the stream with an error event.
+            error = type(exc).__name__
+            err = {"error": {"message": f"decode failed mid-stream: {error}", "type": "upstream_error"}}
+            try:
+                await send({"type": "http.response.body", "body": b"data: " + json.dumps(err).encode() + EVENT_END, "more_body": False})
+            except Exception:  # noqa: BLE001 - the client may be gone too
+                pass
+        except OSError as exc:  # the client's socket failed under send
+            error = error or f"client {type(exc).__name__}"
+        finally:
+            watcher.cancel()
+            await self.close(completed, error)
+
+    async def close(self, completed: bool, error: str | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.close_upstream(completed)
+        await self.on_close(RelayOutcome(completed, self._params, b"".join(self._kept), error))

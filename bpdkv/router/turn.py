@@ -1,0 +1,369 @@
+"""One P→D turn of vLLM's disaggregated protocol (NixlConnector, pull mode, bidirectional), in one place.
+
+P gets the prompt with max_tokens=1, no stream, and either the "prefill for a remote decode" template or D's params
+from the previous turn (where to pull the history from); P answers with where D pulls P's blocks. D gets the
+client's request plus P's params and answers as the client asked, returning where its own blocks are held.
+
+Two users: the router (`PdTurn`: pools, one retry policy, leases) and everything that drives P and D directly —
+calibrate, the GPU and e2e tests — through `TurnClient` (standard library HTTP, synchronous).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from bpdkv import contracts
+from bpdkv.router.config import Timeouts
+from bpdkv.router.metrics import RouterMetrics
+from bpdkv.router.relay import Reply, sse_events
+from bpdkv.router.upstreams import Lease, Pool, Upstream
+
+# Turns whose D keeps its blocks for the next turn: a tool-calling turn is as reusable as a plain one.
+REUSABLE_FINISH = ("stop", "length", "tool_calls")
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+FIRST_BYTE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, StopAsyncIteration)
+
+
+# ---- the protocol steps --------------------------------------------------------------------------------------------
+def prefill_body(body: dict[str, Any], d_params: dict[str, Any] | None, fresh_salt: str | None = None) -> dict[str, Any]:
+    """The prefill request: same prompt, one token, no stream, and where to pull history from (if any)."""
+    req = dict(body)
+    if fresh_salt:
+        req["cache_salt"] = fresh_salt
+    req["max_tokens"] = 1
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    req["stream"] = False
+    req.pop("stream_options", None)
+    req["n"] = 1
+    req[contracts.KV_TRANSFER_PARAMS] = copy.deepcopy(d_params) if d_params else contracts.prefill_template()
+    return req
+
+
+def decode_body(body: dict[str, Any], p_params: dict[str, Any] | None) -> dict[str, Any]:
+    req = dict(body)
+    if p_params:
+        req[contracts.KV_TRANSFER_PARAMS] = p_params
+    return req
+
+
+def params_of(data: Any) -> dict[str, Any] | None:
+    params = data.get(contracts.KV_TRANSFER_PARAMS) if isinstance(data, dict) else None
+    return params if isinstance(params, dict) else None
+
+
+def usable_d_params(params: Any) -> bool:
+    """D's returned params are reusable only if they point at blocks P can pull."""
+    return (
+        isinstance(params, dict)
+        and params.get(contracts.DO_REMOTE_DECODE) is True
+        and bool(params.get(contracts.REMOTE_BLOCK_IDS))
+        and params.get(contracts.REMOTE_ENGINE_ID) is not None
+    )
+
+
+# ---- the router's turn -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Answer:
+    """A whole upstream response."""
+
+    status: int
+    content_type: str
+    content: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+@dataclass(frozen=True)
+class Passthrough:
+    """An error the client caused (vLLM's 4xx): sent to the client as vLLM wrote it."""
+
+    answer: Answer
+
+
+@dataclass(frozen=True)
+class NoUpstream:
+    """Every upstream of a role failed (or none is available): the router answers 502."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    params: dict[str, Any] | None
+    member: Upstream
+    fell_back: bool  # P failed with D's params and succeeded without them
+
+
+@dataclass(frozen=True)
+class DecodedWhole:
+    answer: Answer
+    member: Upstream
+
+
+@dataclass
+class DecodeStream:
+    """D's stream, held open until its first body bytes (until then a failing D can be swapped for another)."""
+
+    member: Upstream
+    lease: Lease
+    response: aiohttp.ClientResponse
+    chunks: Any  # async iterator of bytes
+    first: bytes
+
+    def close(self, reusable: bool) -> None:
+        self.lease.release()
+        if reusable:
+            self.response.release()  # keep the connection for the next request
+        else:
+            self.response.close()  # client gone or D failed: dropping the connection cancels D's request
+
+
+class PdTurn:
+    """P then D over the pools. One retry policy: each upstream of a role tried at most once per request, best
+    first; an upstream failure (connection, timeout, 5xx) moves on to the next and counts towards ejection; a 4xx is
+    the client's and goes back unchanged. A P failure while pulling D's KV is not held against P: the same P gets
+    the turn again once, without D's params (the history is computed instead), and D's blocks are distrusted."""
+
+    def __init__(
+        self,
+        prefill: Pool,
+        decode: Pool,
+        metrics: RouterMetrics,
+        timeouts: Timeouts,
+        session: Callable[[], aiohttp.ClientSession],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.prefill_pool = prefill
+        self.decode_pool = decode
+        self.metrics = metrics
+        self.timeouts = timeouts
+        self.session = session
+        self.clock = clock
+
+    def attempts(self, pool: Pool, affinity: bytes | None) -> Iterator[Upstream]:
+        tried: set[str] = set()
+        for attempt in range(len(pool.members)):
+            member = pool.pick(affinity, tried)
+            if member is None:
+                return
+            tried.add(member.name)
+            if attempt:
+                self.metrics.retries.labels(pool.role).inc()
+            yield member
+
+    def failed(self, pool: Pool, member: Upstream, kind: str) -> str:
+        """Passive health + metrics for one failed upstream attempt; returns the text for the client's error."""
+        pool.failure(member, kind)
+        self.metrics.upstream_errors.labels(pool.role, member.name, kind).inc()
+        return f"{pool.role} {member.name}: {kind}"
+
+    async def call(self, url: str, payload: Any, headers: dict[str, str], read_timeout: float, method: str = "POST") -> Answer:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect, sock_read=read_timeout)
+        data = None if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+        hdrs = dict(headers, **{"content-type": "application/json"}) if data is not None else headers
+        async with self.session().request(method, url, data=data, headers=hdrs, timeout=timeout) as resp:
+            return Answer(resp.status, resp.headers.get("content-type", "application/json"), await resp.read())
+
+    async def _prefill_once(
+        self, member: Upstream, route: str, body: dict[str, Any], d_params: dict[str, Any] | None, headers: dict[str, str], salt: str | None
+    ) -> Answer | str:
+        t0 = time.perf_counter()
+        with member.lease():
+            try:
+                answer = await self.call(member.url + route, prefill_body(body, d_params, salt), headers, self.timeouts.prefill)
+            except UPSTREAM_ERRORS as exc:
+                return type(exc).__name__
+        self.metrics.upstream.labels("prefill").observe(time.perf_counter() - t0)
+        return f"http_{answer.status}" if answer.status >= 500 else answer
+
+    async def prefill(
+        self,
+        route: str,
+        body: dict[str, Any],
+        d_params: dict[str, Any] | None,
+        d_holder: str | None,
+        affinity: bytes | None,
+        headers: dict[str, str],
+        salt: str | None = None,
+    ) -> Prefilled | Passthrough | NoUpstream:
+        last = "no prefill upstream available"
+        fell_back = False
+        for member in self.attempts(self.prefill_pool, affinity):
+            while True:
+                got = await self._prefill_once(member, route, body, d_params, headers, salt)
+                if d_params is not None and (isinstance(got, str) or got.status != 200):
+                    # The pull may be what failed (D restarted, blocks expired or freed): never the client's problem.
+                    reason = got if isinstance(got, str) else f"http_{got.status}"
+                    self.metrics.reuse_fallbacks.labels(reason).inc()
+                    self._distrust(d_params, d_holder)
+                    d_params, fell_back = None, True
+                    continue
+                break
+            if isinstance(got, str):
+                last = self.failed(self.prefill_pool, member, got)
+                continue
+            if got.status != 200:
+                return Passthrough(got)
+            self.prefill_pool.success(member)
+            try:
+                params = params_of(got.json())
+            except ValueError:
+                params = None
+            return Prefilled(params, member, fell_back)
+        return NoUpstream(f"no prefill upstream succeeded ({last})")
+
+    def _distrust(self, d_params: dict[str, Any], holder: str | None) -> None:
+        member = self.decode_pool.member(holder) if holder else None
+        engine = d_params.get(contracts.REMOTE_ENGINE_ID)
+        if member is not None and isinstance(engine, str):
+            member.suspect_engine = engine
+
+    def observe_decode(self, member: Upstream, params: dict[str, Any] | None) -> None:
+        engine = params.get(contracts.REMOTE_ENGINE_ID) if params else None
+        if isinstance(engine, str):
+            member.observe_engine(engine, self.clock(), fresh=True)
+
+    async def decode(
+        self, route: str, body: dict[str, Any], p_params: dict[str, Any] | None, headers: dict[str, str], stream: bool
+    ) -> DecodedWhole | DecodeStream | Passthrough | NoUpstream:
+        t = self.timeouts
+        last = "no decode upstream available"
+        payload = json.dumps(decode_body(body, p_params), separators=(",", ":")).encode()
+        hdrs = dict(headers, **{"content-type": "application/json"})
+        for member in self.attempts(self.decode_pool, None):
+            t0 = time.perf_counter()
+            lease = member.lease()
+            resp: aiohttp.ClientResponse | None = None
+            try:
+                # A whole answer arrives at once: its read bound is the first-byte bound.
+                read = t.decode_idle if stream else max(t.decode_first_byte, t.decode_idle)
+                timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=read)
+                resp = await asyncio.wait_for(
+                    self.session().post(member.url + route, data=payload, headers=hdrs, timeout=timeout), t.decode_first_byte
+                )
+                if resp.status != 200 or not stream:
+                    answer = Answer(resp.status, resp.headers.get("content-type", "application/json"), await resp.read())
+                    resp.release()
+                    lease.release()
+                    if answer.status >= 500:
+                        last = self.failed(self.decode_pool, member, f"http_{answer.status}")
+                        continue
+                    self.decode_pool.success(member)
+                    self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
+                    return DecodedWhole(answer, member) if answer.status == 200 else Passthrough(answer)
+                chunks = resp.content.iter_any()
+                first = await asyncio.wait_for(chunks.__anext__(), t.decode_first_byte)
+            except FIRST_BYTE_ERRORS as exc:
+                if resp is not None:
+                    resp.close()
+                lease.release()
+                last = self.failed(self.decode_pool, member, type(exc).__name__)
+                continue
+            except BaseException:  # cancelled (client gone): nothing may stay open or counted
+                if resp is not None:
+                    resp.close()
+                lease.release()
+                raise
+            self.decode_pool.success(member)
+            self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
+            return DecodeStream(member, lease, resp, chunks, first)
+        return NoUpstream(f"no decode upstream succeeded ({last})")
+
+
+# ---- the client's turn (calibrate, tests, demo) ------------------------------------------------------------------------
+class TurnError(Exception):
+    pass
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float, headers: dict[str, str] | None = None) -> tuple[dict[str, Any], float]:
+    """POST JSON, return (JSON answer, seconds). Any failure is a TurnError naming the URL."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json", **(headers or {})})
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            data = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise TurnError(f"{url}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
+    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as exc:
+        raise TurnError(f"{url}: {exc}") from None
+    return data, time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    reply: Reply
+    ttft_s: float  # to the first content (or tool-call) delta
+    seconds: float
+
+
+def stream(url: str, body: dict[str, Any], timeout: float, headers: dict[str, str] | None = None) -> StreamResult:
+    """POST a streaming completion and read its events (through the one SSE parser)."""
+    request = urllib.request.Request(
+        url, data=json.dumps(dict(body, stream=True)).encode(), headers={"content-type": "application/json", **(headers or {})}
+    )
+    start = time.perf_counter()
+    ttft: float | None = None
+    reply = Reply()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            for raw in resp:
+                for event in sse_events([raw]):
+                    reply.add_event(event)
+                if ttft is None and (reply.text or reply.tool_calls):
+                    ttft = time.perf_counter() - start
+    except urllib.error.HTTPError as exc:
+        raise TurnError(f"{url}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        raise TurnError(f"{url}: {exc}") from None
+    total = time.perf_counter() - start
+    return StreamResult(reply, ttft if ttft is not None else total, total)
+
+
+class TurnClient:
+    """Drive P and D directly, as the router does (no pools): one turn returns D's reply (with D's params)."""
+
+    def __init__(self, prefill: str, decode: str, timeout: float = 120.0) -> None:
+        self.prefill_url = prefill.rstrip("/")
+        self.decode_url = decode.rstrip("/")
+        self.timeout = timeout
+
+    def prefill(
+        self, route: str, body: dict[str, Any], d_params: dict[str, Any] | None, p_extra: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], float]:
+        """P's params for D, and P's seconds. p_extra: fields for P only (e.g. cache_salt)."""
+        data, seconds = post_json(self.prefill_url + route, dict(prefill_body(body, d_params), **(p_extra or {})), self.timeout)
+        params = params_of(data)
+        if params is None:
+            raise TurnError(f"{self.prefill_url}: no kv_transfer_params in P's answer (is it a kv_producer with bidirectional transfer?)")
+        return params, seconds
+
+    def decode(self, route: str, body: dict[str, Any], p_params: dict[str, Any], stream_: bool = False) -> tuple[Reply, dict[str, Any]]:
+        """D's reply (params included) and, for a whole answer, its JSON."""
+        if stream_:
+            return stream(self.decode_url + route, decode_body(body, p_params), self.timeout).reply, {}
+        data, _ = post_json(self.decode_url + route, dict(decode_body(body, p_params), stream=False), self.timeout)
+        return Reply.of(data), data
+
+    def turn(
+        self,
+        route: str,
+        body: dict[str, Any],
+        d_params: dict[str, Any] | None,
+        stream_: bool = False,
+        p_extra: dict[str, Any] | None = None,
+    ) -> Reply:
+        p_params, _ = self.prefill(route, body, d_params, p_extra)
+        reply, _ = self.decode(route, body, p_params, stream_)
+        return reply
