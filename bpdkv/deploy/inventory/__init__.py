@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bpdkv.deploy.inventory.groups import (
+from bpdkv.topology.groups import (
     Inventory,
     InventoryNode,
     Machine,

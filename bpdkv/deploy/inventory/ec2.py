@@ -25,8 +25,8 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from bpdkv.deploy.inventory.groups import Inventory, Machine, expand_groups, group_problems
 from bpdkv.errors import BpdkvError, InvalidTopology
+from bpdkv.topology.groups import Inventory, Machine, expand_groups, group_problems
 from bpdkv.topology.load import LoadedDocument
 
 # The state filter every selection gets: a stopped instance is not a node (Ansible's aws_ec2 leaves it to the user).

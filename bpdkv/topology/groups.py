@@ -1,4 +1,6 @@
-"""Node groups → nodes: pure expansion of discovered machines into the document, plus the membership a saved plan keeps."""
+"""Node groups → nodes: pure expansion of discovered machines (bpdkv.deploy.inventory finds them) into the document.
+
+Also the placeholder machines `bpdkv validate` checks a group with, and the membership a saved plan keeps."""
 
 from __future__ import annotations
 
