@@ -175,6 +175,7 @@ def redis_options(password_file: str | None, ca_file: str | None) -> dict[str, A
             options["password"] = Path(password_file).read_text(encoding="utf-8").strip("\n")
         except OSError as exc:
             raise SecurityConfigError(f"{password_file}: cannot read the Redis password file: {exc.strerror or exc}") from None
-    if ca_file:
+    if ca_file:  # given only for rediss://; check the host name too (redis-py < 6 does not by default)
         options["ssl_ca_certs"] = ca_file
+        options["ssl_check_hostname"] = True
     return options
