@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,8 @@ class RouterConfig:
     tls_key_file: str | None = None
     state_password_file: str | None = None
     state_ca_file: str | None = None
+    # redis-server config the router runs as its own child (workers > 1 without an external Redis; render writes it).
+    local_redis_conf: str | None = None
 
     def worker_count(self) -> int:
         if self.workers == "auto":
@@ -83,12 +85,42 @@ def _upstreams(items: list[Any], role: str) -> tuple[UpstreamSpec, ...]:
     return tuple(out)
 
 
-def config_from_dict(data: dict[str, Any], source: str = "router config") -> RouterConfig:
-    schema = json.loads((schemas_dir() / "router.schema.json").read_text(encoding="utf-8"))
-    errors = sorted(Draft202012Validator(schema).iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
-    if errors:
-        lines = [f"{source}: {'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in errors]
-        raise RouterConfigError("; ".join(lines))
+def config_problems(config: RouterConfig, source: str = "router config") -> list[str]:
+    """Rules across keys the schema cannot say."""
+    problems = []
+    if config.worker_count() > 1 and config.state == "memory":
+        problems.append(
+            f"{source}: workers: {config.workers} processes need shared sessions; set state to a redis:// URL "
+            "(render does: a local redis-server on the router node)"
+        )
+    if config.worker_count() > 1 and config.port == 0:
+        problems.append(f"{source}: port: workers share one fixed port; 0 (any free port) would give each its own")
+    return problems
+
+
+def config_from_dict(data: dict[str, Any], source: str = "router config", validate: bool = True) -> RouterConfig:
+    if validate:
+        schema = json.loads((schemas_dir() / "router.schema.json").read_text(encoding="utf-8"))
+        errors = sorted(Draft202012Validator(schema).iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
+        if errors:
+            lines = [f"{source}: {'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in errors]
+            raise RouterConfigError("; ".join(lines))
+    config = _build(data)
+    problems = config_problems(config, source)
+    if problems:
+        raise RouterConfigError("; ".join(problems))
+    return config
+
+
+def config_to_dict(config: RouterConfig) -> dict[str, Any]:
+    """The inverse of config_from_dict (how the worker processes get the supervisor's config)."""
+    data = asdict(config)
+    data["prefill"] = [{"name": u.name, "url": u.url} for u in config.prefill]
+    data["decode"] = [{"name": u.name, "url": u.url} for u in config.decode]
+    return data
+
+
+def _build(data: dict[str, Any]) -> RouterConfig:
     return RouterConfig(
         prefill=_upstreams(data["prefill"], "prefill"),
         decode=_upstreams(data["decode"], "decode"),
@@ -113,6 +145,7 @@ def config_from_dict(data: dict[str, Any], source: str = "router config") -> Rou
         tls_key_file=data.get("tls_key_file"),
         state_password_file=data.get("state_password_file"),
         state_ca_file=data.get("state_ca_file"),
+        local_redis_conf=data.get("local_redis_conf"),
     )
 
 
@@ -126,3 +159,20 @@ def load_config(path: Path) -> RouterConfig:
     if not isinstance(data, dict):
         raise RouterConfigError(f"{path}: expected a mapping")
     return config_from_dict(data, str(path))
+
+
+def local_redis_conf(router: str, port: int, work_dir: str) -> str:
+    """redis-server config of the session store a multi-worker router runs for itself: loopback, no persistence
+    (sessions are worth seconds), bounded memory dropping the entries nearest to expiry first."""
+    return (
+        f"# Managed by bpdkv: session store of router {router} (its workers share sessions through it).\n"
+        "bind 127.0.0.1\n"
+        f"port {port}\n"
+        "protected-mode yes\n"
+        "daemonize no\n"
+        'save ""\n'
+        "appendonly no\n"
+        f"dir {work_dir}\n"
+        "maxmemory 512mb\n"
+        "maxmemory-policy volatile-ttl\n"
+    )

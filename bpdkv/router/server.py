@@ -1,18 +1,66 @@
-"""Run a Router under uvicorn (the `bpdkv router` command)."""
+"""Run the router (the `bpdkv router` command): one uvicorn process, or a supervisor with N worker processes.
+
+Workers each bind the port with SO_REUSEPORT (the kernel spreads connections over them) and share sessions through
+Redis. Without an external Redis, render points `state` at a redis-server the supervisor starts itself from
+`local_redis_conf` (the distribution's package, installed by apply), before the workers and stopped after them: one
+systemd unit, one lifecycle. A worker that dies takes the supervisor down with a non-zero exit, so systemd restarts
+the whole router instead of it serving on fewer cores unnoticed.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import uvicorn
 
-from bpdkv.router.app import Router
-from bpdkv.router.config import RouterConfig
-from bpdkv.router.security import ReloadingTLS, uvicorn_tls
+from bpdkv.router.config import RouterConfig, RouterConfigError, config_from_dict, config_problems, config_to_dict
+
+log = logging.getLogger("bpdkv.router")
+WORKER_CONFIG_ENV = "BPDKV_ROUTER_WORKER_CONFIG"
+STOP_GRACE = 35.0  # uvicorn's graceful shutdown (30 s) plus a margin
+
+
+def _logging(log_level: str) -> None:
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def serve(config: RouterConfig, log_level: str = "info") -> None:
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging(log_level)
+    problems = config_problems(config)
+    if problems:
+        raise RouterConfigError("; ".join(problems))
+    workers = config.worker_count()
+    if workers == 1 and not config.local_redis_conf:
+        serve_one(config, log_level)
+        return
+    sys.exit(supervise(config, workers, log_level))
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_one(config: RouterConfig, log_level: str, reuse_port: bool = False) -> None:
+    from bpdkv.router.app import Router
+    from bpdkv.router.security import ReloadingTLS, uvicorn_tls
+
     router = Router(config)
     uv_config = uvicorn.Config(
         router.app,
@@ -25,4 +73,102 @@ def serve(config: RouterConfig, log_level: str = "info") -> None:
     )
     if config.tls_cert_file and config.tls_key_file:
         uvicorn_tls(uv_config, ReloadingTLS(config.tls_cert_file, config.tls_key_file))
-    uvicorn.Server(uv_config).run()
+    server = uvicorn.Server(uv_config)
+    if reuse_port:
+        server.run(sockets=[_reuse_port_socket(config.listen, config.port)])
+    else:
+        server.run()
+
+
+def _start_local_redis(conf: str) -> subprocess.Popen[bytes]:
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not Path(binary).exists():
+        raise RouterConfigError(f"local_redis_conf {conf}: redis-server is not installed (apt-get install redis-server)")
+    proc = subprocess.Popen([binary, conf], start_new_session=False)
+    port = _conf_port(conf)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RouterConfigError(f"local redis-server ({conf}) exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.terminate()
+    raise RouterConfigError(f"local redis-server ({conf}) not listening on 127.0.0.1:{port} after 20 s")
+
+
+def _conf_port(conf: str) -> int:
+    try:
+        for line in Path(conf).read_text(encoding="utf-8").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "port":
+                return int(parts[1])
+    except (OSError, ValueError) as exc:
+        raise RouterConfigError(f"local_redis_conf {conf}: {exc}") from None
+    return 6379
+
+
+def supervise(config: RouterConfig, workers: int, log_level: str) -> int:
+    """Start [redis-server,] N workers; return when one of them ends (its code) or on SIGTERM/SIGINT (0)."""
+    redis_proc = _start_local_redis(config.local_redis_conf) if config.local_redis_conf else None
+    env = dict(os.environ, **{WORKER_CONFIG_ENV: json.dumps(config_to_dict(config))})
+    argv = [sys.executable, "-m", "bpdkv.router.server", log_level]
+    children = [subprocess.Popen(argv, env=env) for _ in range(workers)]
+    log.info("router supervisor: %d workers on %s:%d (pids %s)", workers, config.listen, config.port, [c.pid for c in children])
+    stopping = False
+
+    def stop(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = 0
+    try:
+        while not stopping:
+            ended = [c for c in children if c.poll() is not None]
+            if ended:
+                code = ended[0].returncode or 1
+                log.error("router worker %d exited with %s; stopping the router", ended[0].pid, ended[0].returncode)
+                break
+            if redis_proc is not None and redis_proc.poll() is not None:
+                code = 1
+                log.error("local redis-server exited with %s; stopping the router", redis_proc.returncode)
+                break
+            time.sleep(0.2)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for child in children:
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(5)
+        if redis_proc is not None and redis_proc.poll() is None:
+            redis_proc.terminate()
+            try:
+                redis_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                redis_proc.kill()
+                redis_proc.wait(5)
+    return code
+
+
+def worker_main(argv: list[str]) -> None:
+    """One worker process (started by supervise, never by hand)."""
+    log_level = argv[0] if argv else "info"
+    _logging(log_level)
+    raw = os.environ.get(WORKER_CONFIG_ENV)
+    if not raw:
+        sys.exit("bpdkv.router.server: started without a worker config; run `bpdkv router` instead")
+    config = config_from_dict(json.loads(raw), "worker config", validate=False)
+    serve_one(config, log_level, reuse_port=True)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])
