@@ -776,6 +776,7 @@ def bench(
 @click.option("--session-ttl", type=float, default=None, help="Seconds a stored D location stays usable.")
 @click.option("--no-reuse", is_flag=True, help="Disable bidirectional reuse (plain P/D routing, for comparisons).")
 @click.option("--health-interval", type=float, default=None, help="Seconds between active health checks (0: off).")
+@click.option("--workers", default=None, help="Worker processes sharing the port: N or auto (= cores); above 1 needs --state redis://.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @user_errors
 def router(
@@ -788,6 +789,7 @@ def router(
     session_ttl: float | None,
     no_reuse: bool,
     health_interval: float | None,
+    workers: str | None,
     log_level: str,
 ) -> None:
     """Run the KV-cache-aware router (OpenAI-compatible) in front of prefill and decode servers."""
@@ -819,6 +821,10 @@ def router(
         changes["reuse"] = False
     if health_interval is not None:
         changes["health"] = dataclasses.replace(config.health or HealthSettings(), interval=health_interval)
+    if workers is not None:
+        if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
+            raise UsageError(f"--workers {workers}: give a positive number or auto")
+        changes["workers"] = workers if workers == "auto" else int(workers)
     serve(dataclasses.replace(config, **changes), log_level)  # type: ignore[arg-type]
 
 

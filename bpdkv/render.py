@@ -14,6 +14,7 @@ import yaml
 from bpdkv import __version__, contracts
 from bpdkv.errors import RenderError
 from bpdkv.resources import templates_dir
+from bpdkv.router.config import local_redis_conf
 from bpdkv.secrets import router_secret_files
 from bpdkv.topology.model import Instance, Node, Topology
 
@@ -136,7 +137,7 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         "model": topology.model.served_name,
         "prefill": upstreams("prefill"),
         "decode": upstreams("decode"),
-        "state": r.state,
+        "state": local_redis_url(topology, instance) or r.state,
         "session_identity": r.session_identity,
         "session_ttl": r.session_ttl,
         "expiry_margin": r.ttl_margin,
@@ -146,6 +147,40 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         "timeouts": dict(contracts.ROUTER_TIMEOUT_DEFAULTS),
         "health": dict(contracts.ROUTER_HEALTH_DEFAULTS),
         **router_secret_files(r, instance.name, CONFIG_DIR)[0],  # paths of key, password and TLS files
+        **router_workers(topology, instance),
+    }
+
+
+def _local_redis_port(topology: Topology, instance: Instance) -> int | None:
+    """Multi-worker routers without an external Redis run their own on the node (one port per router instance)."""
+    r = topology.router
+    if r.workers == 1 or r.state != "memory":
+        return None
+    names = [i.name for _, i in topology.instances("router")]
+    return contracts.LOCAL_REDIS_PORT + names.index(instance.name)
+
+
+def local_redis_url(topology: Topology, instance: Instance) -> str | None:
+    port = _local_redis_port(topology, instance)
+    return None if port is None else f"redis://127.0.0.1:{port}/0"
+
+
+def router_workers(topology: Topology, instance: Instance) -> dict[str, Any]:
+    """Router-config keys of multi-worker routers (single-worker configs stay as they were)."""
+    if topology.router.workers == 1:
+        return {}
+    out: dict[str, Any] = {"workers": topology.router.workers}
+    if _local_redis_port(topology, instance) is not None:
+        out["local_redis_conf"] = f"{CONFIG_DIR}/{instance.name}.redis.conf"
+    return out
+
+
+def system_packages(topology: Topology) -> dict[str, tuple[str, ...]]:
+    """Debian packages per node the rendered files need (apply installs them before units start)."""
+    return {
+        node.name: ("redis-server",)
+        for node in topology.nodes
+        if any(i.role == "router" and _local_redis_port(topology, i) is not None for i in node.instances)
     }
 
 
@@ -183,6 +218,10 @@ def render_topology(topology: Topology) -> list[Artifact]:
                 config = router_config(topology, inst)
                 header = f"# Managed by bpdkv (topology {topology.name}): router {inst.name}. Schema: schemas/router.schema.json\n"
                 out.append(Artifact(node.name, config_path, 0o644, header + yaml.safe_dump(config, sort_keys=False), inst.name))
+                redis_port = _local_redis_port(topology, inst)
+                if redis_port is not None:
+                    conf = local_redis_conf(inst.name, redis_port, f"{STATE_DIR}/{inst.name}")
+                    out.append(Artifact(node.name, config["local_redis_conf"], 0o644, conf, inst.name))
                 for path, mode, content in router_secret_files(topology.router, inst.name, CONFIG_DIR)[1]:
                     if not any(a.host == node.name and a.path == path for a in out):  # the admin key: once per node
                         out.append(Artifact(node.name, path, mode, content, inst.name, secret=True))

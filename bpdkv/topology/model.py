@@ -91,6 +91,7 @@ class RouterSpec:
     redis_ca_file: str | None = None
     tls_cert: str | None = None  # a path on the router node, or a secret rendered to a file
     tls_key: str | None = None
+    workers: int | str = 1  # router processes sharing the port; "auto" = the node's cores
 
     @property
     def admin_key_file(self) -> str | None:
@@ -275,6 +276,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         ttl_margin=margin,
         api_keys_file=r.get("api_keys_file"),
         reuse=bool(r.get("reuse", True)),
+        workers=r.get("workers", 1),
         api_keys=tuple((t, _ref(v, f"router.api_keys.{t}")) for t, v in r.get("api_keys", {}).items()),
         admin_key=_ref(r.get("admin_key"), "router.admin_key"),
         redis_password=_ref(r.get("redis_password"), "router.redis_password"),
