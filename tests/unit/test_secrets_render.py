@@ -110,3 +110,14 @@ def test_schema_rejects_a_malformed_reference(tmp_path: Path) -> None:
     with pytest.raises(InvalidTopology) as info:
         validate_document(parse_yaml(yaml.safe_dump(bad), "t.yaml"))
     assert any("vllm.env.HF_TOKEN" in line for line in info.value.lines())
+
+
+def test_validate_warns_on_plaintext_and_never_quotes_it(tmp_path: Path) -> None:
+    plain = doc(tmp_path)
+    plain["vllm"]["env"]["HF_TOKEN"] = HF
+    plain["router"]["state"] = f"rediss://:{REDIS_PW}@redis.internal:6380/0"
+    validated = validate_document(parse_yaml(yaml.safe_dump(plain), "t.yaml"))
+    warnings = [w for w in validated.warnings if "plain text" in w.message]
+    assert sorted(w.path for w in warnings) == ["router.state", "vllm.env.HF_TOKEN"]
+    assert all(w.line is not None for w in warnings)  # file:line like every other diagnostic
+    assert not any(HF in w.format() or REDIS_PW in w.format() for w in validated.warnings)
