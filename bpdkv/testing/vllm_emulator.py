@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from bpdkv import contracts
+from bpdkv.vllm_plugin import decide, digests
 
 # Engines of this process, by engine id: the emulated NIXL fabric.
 FABRIC: dict[str, VllmEmulator] = {}
@@ -59,6 +61,8 @@ class EmulatorSettings:
     pull_fixed_seconds: float = 0.0  # per pull, whatever its size (descriptor set-up, notification round trip)
     max_hang: float = 600.0  # bound of the "recompute" hang
     prefix_caching: bool = True  # False emulates a P whose cache was evicted between turns
+    prefill_plugin: bool = False  # P runs the bpdkv connector: refuses expiring blocks, cuts pulls where tokens differ
+    max_model_len: int = 1 << 20  # tokens (here: bytes of the rendering); longer prompts get vLLM's 400
 
 
 @dataclass
@@ -83,14 +87,18 @@ class VllmEmulator:
             ]
         )
 
+    def close(self) -> None:
+        """The engine is gone (its server was stopped): its held blocks can no longer be pulled, as after a restart."""
+        FABRIC.pop(self.engine_id, None)
+        self.held.clear()
+
     def count(self, name: str, value: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + value
 
     # ---- tokens ---------------------------------------------------------------------------------------------
     @staticmethod
-    def chat_tokens(messages: list[dict[str, Any]]) -> list[int]:
-        text = "".join(f"<|im_start|>{m.get('role')}\n{_content(m.get('content'))}<|im_end|>\n" for m in messages)
-        return list((text + "<|im_start|>assistant\n").encode())
+    def chat_tokens(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        return list(render_chat(messages, tools).encode())
 
     @staticmethod
     def generate(tokens: list[int], max_tokens: int, ignore_eos: bool) -> tuple[list[int], str]:
@@ -142,55 +150,97 @@ class VllmEmulator:
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def chat(self, request: Request) -> Response:
-        body = await request.json()
-        tokens = self.chat_tokens(body.get("messages") or [])
-        return await self._serve(body, tokens, chat=True)
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        problem = validate_chat(body) or self._validate_common(body)
+        if problem is not None:
+            return problem
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+        return await self._serve(body, self.chat_tokens(body["messages"], tools), chat=True)
 
     async def completions(self, request: Request) -> Response:
-        body = await request.json()
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        problem = validate_completion(body) or self._validate_common(body)
+        if problem is not None:
+            return problem
         prompt = body.get("prompt")
         tokens = prompt if isinstance(prompt, list) else list(str(prompt).encode())
         return await self._serve(body, tokens, chat=False)
 
+    def _validate_common(self, body: dict[str, Any]) -> Response | None:
+        """What vLLM checks after the request parsed: the model name, then the token budget."""
+        model = body.get("model")
+        if model is not None and model != self.settings.model:
+            message = f"The model `{model}` does not exist. Valid aliases: {self.settings.model}."
+            return vllm_error(404, message, "model", "NotFoundError")
+        max_tokens = _max_tokens(body)
+        if max_tokens is not None and max_tokens < 1:
+            return vllm_error(
+                400, f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens, value={max_tokens})", "max_tokens"
+            )
+        if max_tokens is not None and max_tokens > self.settings.max_model_len:
+            message = (
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={self.settings.max_model_len}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})"
+            )
+            return vllm_error(400, message, "max_tokens")
+        return None
+
     # ---- the protocol ---------------------------------------------------------------------------------------
     async def _serve(self, body: dict[str, Any], tokens: list[int], chat: bool) -> Response:
+        if len(tokens) >= self.settings.max_model_len:
+            n, limit = len(tokens), self.settings.max_model_len
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains at least {n} input "
+                f"tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+                f"prompt. (parameter=input_tokens, value={n})"
+            )
+            return vllm_error(400, message, "input_tokens")
         self.requests.append(body)
-        params = body.get("kv_transfer_params")
+        params = body.get(contracts.KV_TRANSFER_PARAMS)
         salt = str(body.get("cache_salt") or "")
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        max_tokens = _max_tokens(body) or 16
         cached = self._cached_prefix(tokens, salt) if self.settings.prefix_caching else 0
         external = 0
         poisoned_by: list[int] | None = None
         out_params: dict[str, Any] | None = None
+        pull_outcome: str | None = None
         role = self.settings.role
 
-        if isinstance(params, dict) and params.get("do_remote_decode") and role in ("prefill", "both"):
-            if params.get("remote_block_ids") and params.get("remote_engine_id"):
+        if isinstance(params, dict) and params.get(contracts.DO_REMOTE_DECODE) and role in ("prefill", "both"):
+            if params.get(contracts.REMOTE_BLOCK_IDS) and params.get(contracts.REMOTE_ENGINE_ID):
                 pulled = await self._pull_from_decode(params, tokens, cached)
                 if isinstance(pulled, Response):
                     return pulled
-                external, poisoned_by = pulled
+                external, poisoned_by, pull_outcome = pulled
             request_id = uuid.uuid4().hex
             # What P holds is what it computed: wrong pulled KV travels on to D.
             kv = list(tokens) if poisoned_by is None else poisoned_by + tokens[len(poisoned_by) :]
             self.held[request_id] = Held(kv, time.perf_counter() + self.settings.kv_lease_duration)
             out_params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": list(range(_blocks(len(tokens), self.settings.block_size))),
-                "remote_engine_id": self.engine_id,
-                "remote_request_id": request_id,
-                "remote_host": "emulated",
-                "remote_port": 0,
+                contracts.DO_REMOTE_PREFILL: True,
+                contracts.DO_REMOTE_DECODE: False,
+                contracts.REMOTE_BLOCK_IDS: self._block_ids(len(tokens)),
+                contracts.REMOTE_ENGINE_ID: self.engine_id,
+                contracts.REMOTE_REQUEST_ID: request_id,
+                contracts.REMOTE_HOST: "127.0.0.1",
+                contracts.REMOTE_PORT: 0,
                 "tp_size": 1,
-                "remote_num_tokens": len(tokens),
-                "remote_blocks_expiry_time": None,
+                "dcp_size": 1,
+                "pp_size": 1,
+                contracts.REMOTE_NUM_TOKENS: len(tokens),
+                contracts.REMOTE_BLOCKS_EXPIRY_TIME: None,
                 "transfer_mode": "pull",
-                "remote_prefill_cached_tokens": cached,
+                contracts.REMOTE_PREFILL_CACHED_TOKENS: cached,
             }
-        elif isinstance(params, dict) and params.get("do_remote_prefill") and role in ("decode", "both"):
-            prefill = FABRIC.get(str(params.get("remote_engine_id")))
-            held = prefill.held.pop(str(params.get("remote_request_id")), None) if prefill else None
+            if pull_outcome is not None:
+                out_params[PULL_OUTCOME] = pull_outcome
+        elif isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and role in ("decode", "both"):
+            prefill = FABRIC.get(str(params.get(contracts.REMOTE_ENGINE_ID)))
+            held = prefill.held.pop(str(params.get(contracts.REMOTE_REQUEST_ID)), None) if prefill else None
             if held is not None:
                 external = min(len(held.tokens), len(tokens))
                 self.count("nixl_xfer_count")
@@ -209,50 +259,112 @@ class VllmEmulator:
         basis = tokens if poisoned_by is None else poisoned_by + tokens[len(poisoned_by) :] + [0]
         if poisoned_by is None:
             self._cache(tokens, salt)
-        ignore_eos = bool(body.get("ignore_eos"))
-        output, finish = self.generate(basis, max_tokens, ignore_eos)
-
-        if role in ("decode",) and isinstance(params, dict) and params.get("do_remote_prefill") and finish in ("stop", "length"):
-            out_params = self._hold_for_next_turn(tokens, output)
-        if body.get("stream"):
-            return StreamingResponse(self._stream(body, output, finish, chat, out_params), media_type="text/event-stream")
-        await asyncio.sleep(self.settings.first_token_delay + self.settings.token_interval * max(len(output) - 1, 0))
-        text = bytes(output).decode()
-        choice: dict[str, Any]
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+        forced = forced_text(body)
+        if forced is not None:  # structured outputs: the emulator writes exactly what the (literal) regex allows
+            output = list(forced.encode())[:max_tokens]
+            finish = "length" if len(forced.encode()) > max_tokens else "stop"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        if body.get("return_token_ids"):
-            choice["token_ids"] = list(output)
+            output, finish = self.generate(basis, max_tokens, bool(body.get("ignore_eos")))
+
+        # The engine finishes STOPPED or LENGTH_CAPPED; "tool_calls" is the API's name for a stop that called tools.
+        if role in ("decode",) and isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and finish in ("stop", "length"):
+            out_params = self._hold_for_next_turn(tokens, output)
+        text = bytes(output).decode(errors="replace")
+        calls = hermes_tool_calls(text) if chat and finish == "stop" and _auto_tools(body) else None
+        answer = Answer(text, finish, calls, output, len(tokens))
+        if _lax_bool(body.get("stream")):
+            return StreamingResponse(self._stream(body, answer, chat, out_params), media_type="text/event-stream")
+        await asyncio.sleep(self.settings.first_token_delay + self.settings.token_interval * max(len(output) - 1, 0))
+        return JSONResponse(self._response(body, tokens, answer, chat, out_params))
+
+    def _block_ids(self, n_tokens: int) -> list[list[int]]:
+        """One list per KV-cache group, as vLLM 0.32 writes remote_block_ids."""
+        return [list(range(_blocks(n_tokens, self.settings.block_size)))]
+
+    def _response(
+        self, body: dict[str, Any], tokens: list[int], answer: Answer, chat: bool, params: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """vLLM 0.32's non-streaming response, key for key (tests/data/vllm_contract holds the recorded ones)."""
+        token_ids = list(answer.output) if body.get("return_token_ids") else None
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": answer.api_finish,
+            "stop_reason": None,
+            "token_ids": token_ids,
+        }
+        if chat:
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": answer.content,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            }
+            if answer.calls:
+                message["tool_calls"] = [{"id": c["id"], "type": "function", "function": c["function"]} for c in answer.calls]
+            choice.update(message=message, routed_experts=None)
+        else:
+            prompt_ids = list(tokens) if body.get("return_token_ids") else None
+            choice.update(text=answer.text, prompt_logprobs=None, prompt_token_ids=prompt_ids, routed_experts=None)
         resp: dict[str, Any] = {
-            "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": body.get("model") or self.settings.model,
             "choices": [choice],
-            "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(output), "total_tokens": len(tokens) + len(output)},
+            "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": {
+                "prompt_tokens": len(tokens),
+                "total_tokens": len(tokens) + len(answer.output),
+                "completion_tokens": len(answer.output),
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            contracts.KV_TRANSFER_PARAMS: params,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
-        if out_params is not None:
-            resp["kv_transfer_params"] = out_params
-        return JSONResponse(resp)
+        if chat:
+            resp.update(prompt_logprobs=None, prompt_token_ids=list(tokens) if body.get("return_token_ids") else None, prompt_text=None)
+        return resp
 
-    async def _pull_from_decode(self, params: dict[str, Any], tokens: list[int], cached: int) -> tuple[int, list[int] | None] | Response:
-        decode = FABRIC.get(str(params.get("remote_engine_id")))
-        held = decode.held.get(str(params.get("remote_request_id"))) if decode else None
+    async def _pull_from_decode(
+        self, params: dict[str, Any], tokens: list[int], cached: int
+    ) -> tuple[int, list[int] | None, str | None] | Response:
+        """(tokens pulled, D's tokens if they differ from the prompt, the bpdkv connector's outcome) or P's error."""
+        plugin = self.settings.prefill_plugin
+        expires_at = params.get(contracts.EXPIRES_AT)
+        if plugin and isinstance(expires_at, (int, float)) and expires_at - time.time() < decide.DEFAULT_EXPIRY_GUARD:
+            return 0, None, "expiring"  # the bpdkv connector computes locally instead of reading expiring blocks
+        decode = FABRIC.get(str(params.get(contracts.REMOTE_ENGINE_ID)))
+        held = decode.held.get(str(params.get(contracts.REMOTE_REQUEST_ID))) if decode else None
         now = time.perf_counter()
         if held is None or held.expires_at - now < DECLINE_WITHIN:
             self.count("nixl_num_kv_expired_reqs")
             if self.settings.kv_load_failure_policy == "fail":
-                return JSONResponse({"error": {"message": "Declining expired remote read", "code": 500}}, status_code=500)
+                return vllm_error(500, "Declining expired remote read", None, "InternalServerError")
             await asyncio.sleep(self.settings.max_hang)  # upstream "recompute" hangs
-            return JSONResponse({"error": {"message": "hung"}}, status_code=500)
-        n = min(int(params.get("remote_num_tokens") or 0), len(tokens)) - cached
+            return vllm_error(500, "hung", None, "InternalServerError")
+        n = min(int(params.get(contracts.REMOTE_NUM_TOKENS) or 0), len(tokens)) - cached
+        outcome = "verified" if plugin else None
+        if plugin:  # the connector compares block digests and pulls only the blocks whose tokens match
+            bs = self.settings.block_size
+            same = next(
+                (i for i, (a, b) in enumerate(zip(held.tokens, tokens, strict=False)) if a != b), min(len(held.tokens), len(tokens))
+            )
+            # whole matching blocks, never the last prompt token, never more than D offered
+            usable = min(same, len(tokens) - 1, int(params.get(contracts.REMOTE_NUM_TOKENS) or 0)) // bs * bs - cached
+            if usable < n:
+                outcome, n = ("cut", usable) if usable > 0 else ("mismatch", 0)
         if n < self.settings.kv_recompute_threshold:
             self.count("emulator_pulls_skipped")
-            return 0, None
+            return 0, None, outcome
         assert decode is not None
-        decode.held.pop(str(params.get("remote_request_id")), None)  # notify: D frees its blocks (single use)
+        decode.held.pop(str(params.get(contracts.REMOTE_REQUEST_ID)), None)  # notify: D frees its blocks (single use)
         self.count("nixl_xfer_count")
         self.count("nixl_bytes", n * 1024)
         seconds = self.settings.pull_fixed_seconds + self.settings.pull_seconds_per_token * n
@@ -262,8 +374,8 @@ class VllmEmulator:
         if theirs != tokens[: cached + n]:
             bad = sum(1 for a, b in zip(theirs[cached:], tokens[cached : cached + n], strict=False) if a != b)
             self.count("emulator_wrong_kv_tokens", bad)
-            return n, theirs
-        return n, None
+            return n, theirs, outcome
+        return n, None, outcome
 
     def _hold_for_next_turn(self, tokens: list[int], output: list[int]) -> dict[str, Any]:
         request_id = uuid.uuid4().hex
@@ -271,61 +383,271 @@ class VllmEmulator:
         ttl = self.settings.decoder_kv_blocks_ttl
         self.held[request_id] = Held(seq, time.perf_counter() + ttl)
         params: dict[str, Any] = {
-            "do_remote_prefill": False,
-            "do_remote_decode": True,
-            "remote_block_ids": list(range(_blocks(len(seq), self.settings.block_size))),
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request_id,
-            "remote_host": "emulated",
-            "remote_port": 0,
+            contracts.DO_REMOTE_PREFILL: False,
+            contracts.DO_REMOTE_DECODE: True,
+            contracts.REMOTE_BLOCK_IDS: self._block_ids(len(seq)),
+            contracts.REMOTE_ENGINE_ID: self.engine_id,
+            contracts.REMOTE_REQUEST_ID: request_id,
+            contracts.REMOTE_HOST: "127.0.0.1",
+            contracts.REMOTE_PORT: 0,
             "tp_size": 1,
-            "remote_num_tokens": len(seq),
-            "remote_blocks_expiry_time": time.perf_counter() + ttl,
+            "dcp_size": 1,
+            "pp_size": 1,
+            contracts.REMOTE_NUM_TOKENS: len(seq),
+            contracts.REMOTE_BLOCKS_EXPIRY_TIME: time.perf_counter() + ttl,
             "transfer_mode": "pull",
         }
-        if self.settings.relative_expiry:
+        if self.settings.relative_expiry:  # the bpdkv node plugin on D
             params[contracts.REMOTE_BLOCKS_EXPIRES_IN] = ttl
+            params[contracts.EXPIRES_AT] = time.time() + ttl
+            params[contracts.BLOCK_SIZE] = self.settings.block_size
+            params[contracts.BLOCK_DIGESTS] = digests.encode(digests.block_digests(seq, self.settings.block_size))
         return params
 
-    async def _stream(self, body: dict[str, Any], output: list[int], finish: str, chat: bool, params: dict[str, Any] | None):  # type: ignore[no-untyped-def]
-        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
-        created = int(time.time())
-        model = body.get("model") or self.settings.model
-        obj = "chat.completion.chunk" if chat else "text_completion"
+    async def _stream(self, body: dict[str, Any], answer: Answer, chat: bool, params: dict[str, Any] | None):  # type: ignore[no-untyped-def]
         try:
-            async for piece in self._chunks(rid, created, model, obj, output, finish, chat, params):
+            async for piece in self._chunks(body, answer, chat, params):
                 yield piece
         except (asyncio.CancelledError, GeneratorExit):
             self.count("emulator_streams_cancelled")
             raise
 
-    async def _chunks(self, rid, created, model, obj, output, finish, chat, params):  # type: ignore[no-untyped-def]
+    async def _chunks(self, body: dict[str, Any], answer: Answer, chat: bool, params: dict[str, Any] | None):  # type: ignore[no-untyped-def]
+        """vLLM 0.32's event shapes: a role chunk (chat), content (or Hermes tool-call) deltas, a finish chunk with an
+        empty delta, the usage chunk if asked, the bpdkv plugin's params chunk, [DONE]."""
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.settings.model,
+        }
+        usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
         await asyncio.sleep(self.settings.first_token_delay)
         if chat:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                }
-            )
-        for i, tok in enumerate(output):
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield _sse({**head, "choices": [role], "prompt_token_ids": None, "prompt_text": None})
+        deltas = answer.deltas(chat)
+        # vLLM sends the last token's text with the finish reason (a tool call's closing tag has none to send).
+        last = deltas.pop() if deltas and not answer.calls else {}
+        for i, delta in enumerate(deltas):
             if i:
                 await asyncio.sleep(self.settings.token_interval)
-            last = i == len(output) - 1
-            piece = chr(tok)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish if last else None}
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None, "token_ids": None}
             if chat:
-                choice["delta"] = {"content": piece}
+                choice["delta"] = delta
             else:
-                choice["text"] = piece
-            chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-            if last and params is not None and self.settings.stream_params:
-                chunk["kv_transfer_params"] = params
-            yield _sse(chunk)
+                choice.update(text=delta["content"], stop_reason=None, prompt_token_ids=None)
+            yield _sse({**head, "choices": [choice]})
+        if deltas:
+            await asyncio.sleep(self.settings.token_interval)
+        finish: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": answer.api_finish, "stop_reason": None, "token_ids": None}
+        if chat:
+            finish["delta"] = last
+        else:
+            finish.update(text=last.get("content", ""), prompt_token_ids=None)
+        yield _sse({**head, "choices": [finish], **({} if usage else {"system_fingerprint": SYSTEM_FINGERPRINT})})
+        if usage:
+            n_prompt, n_out = answer.prompt_tokens, len(answer.output)
+            counts = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out, "completion_tokens": n_out}
+            yield _sse({**head, "choices": [], "system_fingerprint": SYSTEM_FINGERPRINT, "usage": counts})
+        if params is not None and self.settings.stream_params:
+            yield _sse({**head, "choices": [], contracts.KV_TRANSFER_PARAMS: params})
         yield b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the emulated model wrote, and how the API presents it (content, or parsed Hermes tool calls)."""
+
+    text: str
+    finish: str  # the engine's: stop | length
+    calls: list[dict[str, Any]] | None
+    output: list[int]
+    prompt_tokens: int
+
+    @property
+    def api_finish(self) -> str:
+        return "tool_calls" if self.calls else self.finish
+
+    @property
+    def content(self) -> str | None:
+        if not self.calls:
+            return self.text
+        before = self.text[: self.text.find(TOOL_CALL_START)]
+        return before or None
+
+    def deltas(self, chat: bool) -> list[dict[str, Any]]:
+        """Stream deltas: a character per chunk; a tool call as its name, then its arguments a character at a time."""
+        if not self.calls:
+            return [{"content": ch} for ch in self.text]
+        out: list[dict[str, Any]] = [{"content": ch} for ch in self.content or ""]
+        for i, call in enumerate(self.calls):
+            head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"]}}
+            out.append({"content": None, "tool_calls": [head]})
+            out += [{"content": None, "tool_calls": [{"index": i, "function": {"arguments": ch}}]} for ch in call["function"]["arguments"]]
+        return out
+
+
+# ---- the chat template and tool calls of the emulated model (Hermes style, like tests' tool template) -----------------
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+_TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+def hermes_block(name: str, arguments: Any) -> str:
+    """One call as a Hermes model writes it; `arguments` as a JSON string (verbatim) or an object."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return f'{TOOL_CALL_START}\n{{"name": "{name}", "arguments": {args}}}\n{TOOL_CALL_END}'
+
+
+def render_chat(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    """ChatML; tools listed in the system turn, assistant tool calls as Hermes blocks, tool results as user turns.
+    An assistant turn renders exactly as the model wrote it, so D's tokens stay a prefix of the next prompt."""
+    parts = []
+    first_system = bool(messages) and messages[0].get("role") == "system"
+    if tools or first_system:
+        system = _content(messages[0].get("content")) if first_system else ""
+        if tools:
+            listing = "".join("\n" + json.dumps(t) for t in tools)
+            system += ("\n\n" if first_system else "") + f"# Tools\n<tools>{listing}</tools>\n"
+            system += 'Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.'
+        parts.append(f"<|im_start|>system\n{system}<|im_end|>\n")
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "system" and i == 0:
+            continue
+        if role == "assistant":
+            content = _content(m.get("content"))
+            calls = [hermes_block(c["function"]["name"], c["function"].get("arguments", "{}")) for c in m.get("tool_calls") or []]
+            text = content + ("\n" if content and calls else "") + "\n".join(calls)
+            parts.append(f"<|im_start|>assistant\n{text}<|im_end|>\n")
+        elif role == "tool":
+            parts.append(f"<|im_start|>user\n<tool_response>\n{_content(m.get('content'))}\n</tool_response><|im_end|>\n")
+        else:
+            parts.append(f"<|im_start|>{role}\n{_content(m.get('content'))}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def hermes_tool_calls(text: str) -> list[dict[str, Any]] | None:
+    """vLLM's hermes parser: every <tool_call> block whose body is JSON with a name and arguments; None if none."""
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            data = json.loads(match.group(1))
+            name, args = data["name"], data["arguments"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        calls.append(
+            {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        )
+    return calls or None
+
+
+def _auto_tools(body: dict[str, Any]) -> bool:
+    return bool(body.get("tools")) and body.get("tool_choice", "auto") in ("auto", None)
+
+
+def literal_regex(text: str) -> str:
+    """A regex that matches exactly `text` (the form vLLM's structured outputs accept)."""
+    return re.sub(r"([\\.^$*+?()\[\]{}|])", r"\\\1", text).replace("\n", "\\n")
+
+
+def forced_text(body: dict[str, Any]) -> str | None:
+    """The one text a literal `structured_outputs.regex` allows (the emulator supports no other constraint)."""
+    so = body.get("structured_outputs")
+    regex = so.get("regex") if isinstance(so, dict) else None
+    if not isinstance(regex, str):
+        return None
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), regex)
+
+
+# ---- request checks with vLLM's answers (status, error type, param) ----------------------------------------------------
+PULL_OUTCOME = "bpdkv_pull_outcome"
+SYSTEM_FINGERPRINT = "fp_emulated"
+_ROLES = ("developer", "system", "user", "assistant", "tool", "function")
+_TRUE = {"1", "on", "t", "true", "y", "yes"}
+_FALSE = {"0", "off", "f", "false", "n", "no"}
+
+
+def vllm_error(status: int, message: str, param: str | None, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+
+
+def _validation_error(kind: str, loc: str, msg: str, value: Any, count: int = 1) -> JSONResponse:
+    """FastAPI/pydantic's request-validation answer, as vLLM serves it."""
+    shown = f"<dict of {len(value)} items>" if isinstance(value, dict) else str(value)
+    detail = f"  {{'type': '{kind}', 'loc': '{loc}', 'msg': '{msg}', 'input': {shown!r}}}"
+    return vllm_error(400, f"{count} validation error{'s' if count > 1 else ''}:\n{detail}", loc, "Bad Request")
+
+
+def _lax_bool(value: Any) -> bool | None:
+    """pydantic's lax boolean: true/false, 0/1, and strings like 'yes'/'off'; None if it is none of them."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    return None
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    value = body.get("max_tokens", body.get("max_completion_tokens"))
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _validate_fields(body: dict[str, Any]) -> Response | None:
+    if "stream" in body and body["stream"] is not None and _lax_bool(body["stream"]) is None:
+        return _validation_error(
+            "bool_parsing", "body.stream", "Input should be a valid boolean, unable to interpret input", body["stream"]
+        )
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if isinstance(value, str):
+            try:
+                float(value)
+            except ValueError:
+                msg = "Input should be a valid number, unable to parse string as a number"
+                return _validation_error("float_parsing", f"body.{name}", msg, value)
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return _validation_error("int_parsing", f"body.{name}", "Input should be a valid integer", value)
+    return None
+
+
+def validate_chat(body: dict[str, Any]) -> Response | None:
+    messages = body.get("messages")
+    if messages is None:
+        return _validation_error("missing", "body.messages", "Field required", body)
+    if not isinstance(messages, list):
+        return _validation_error("list_type", "body.messages", "Input should be a valid list", messages)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            # pydantic tries each message type of the union; vLLM names the first that failed
+            return _validation_error("missing", f"body.messages.{i}.ChatCompletionDeveloperMessageParam.role", "Field required", m, 11)
+    return _validate_fields(body)
+
+
+def validate_completion(body: dict[str, Any]) -> Response | None:
+    problem = _validate_fields(body)
+    if problem is not None:
+        return problem
+    if body.get("prompt") in (None, "", []):
+        return vllm_error(400, "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)", "prompt")
+    return None
+
+
+async def _json_body(request: Request) -> dict[str, Any] | Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        return vllm_error(400, "JSON decode error", "body", "Bad Request")
+    if not isinstance(body, dict):
+        return _validation_error(
+            "model_attributes_type", "body", "Input should be a valid dictionary or object to extract fields from", body
+        )
+    return body
 
 
 def _sse(data: dict[str, Any]) -> bytes:
@@ -345,16 +667,17 @@ def _content(content: Any) -> str:
 class ServerGroup:
     """Several ASGI apps served by uvicorn on loopback from one background thread (bounded lifetime)."""
 
-    def __init__(self, apps: list[Any], host: str = "127.0.0.1") -> None:
+    def __init__(self, apps: list[Any], host: str = "127.0.0.1", ports: list[int] | None = None) -> None:
+        """`ports`: fixed ports (a restarted server comes back where the router expects it); default: free ones."""
         import threading
 
         import uvicorn
 
         self._servers = [
             uvicorn.Server(
-                uvicorn.Config(app, host=host, port=0, log_level="error", access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+                uvicorn.Config(app, host=host, port=port, log_level="error", access_log=False, lifespan="on", timeout_graceful_shutdown=2)
             )
-            for app in apps
+            for app, port in zip(apps, ports or [0] * len(apps), strict=True)
         ]
         self._host = host
         self._loop: asyncio.AbstractEventLoop | None = None
