@@ -46,3 +46,21 @@ def test_redis_down_serves_without_reuse(fleet_factory, redis_server) -> None:  
     assert fleet.metric("bpdkv_router_store_errors_total") >= 3
     assert fleet.metric("bpdkv_router_requests_total", status="200") == 5
     assert fleet.metric("bpdkv_router_reuse_total", outcome="unavailable") >= 2
+
+
+def test_session_id_takeover_refused_with_redis(fleet_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """The compare-and-delete take and the SET NX store keep another history's entry intact in Redis too."""
+    url = redis_server["url"]
+    fleet = fleet_factory(n_routers=2, p_settings={"prefix_caching": False}, store_factory=lambda: RedisStore(url))
+    a, b = fleet.router_urls
+    sid = {"X-Session-Id": "conversation-A"}
+    mine = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "my question"}]
+    text, _ = chat(a, mine, headers=sid)
+    mine += [{"role": "assistant", "content": text}, {"role": "user", "content": "my follow-up"}]
+    chat(
+        b, [{"role": "user", "content": "unrelated"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}], headers=sid
+    )
+    assert fleet.metric("bpdkv_router_reuse_total", 1, outcome="mismatch") == 1
+    assert fleet.metric("bpdkv_router_sessions_not_stored_total", 1) == 1
+    chat(b, mine, headers=sid)
+    assert fleet.metric("bpdkv_router_reuse_total", 1, outcome="hit") == 1
