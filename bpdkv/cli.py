@@ -286,6 +286,30 @@ def profiles_show(name: str) -> None:
     raise UsageError(f"unknown profile '{name}'; {suggest(name, names)}")
 
 
+@main.command()
+@click.argument("topology", type=click.Path(path_type=str))
+@click.option("--output", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@user_errors
+def inventory(topology: str, output: str) -> None:
+    """List the nodes the topology's EC2 node groups select now (DescribeInstances; running instances only)."""
+    from bpdkv.deploy.inventory import load_with_inventory
+
+    validated, found = load_with_inventory(topology)
+    for w in validated.warnings:
+        _yellow(w.format())
+    if output == "json":
+        click.echo(json.dumps(found.to_json() if found else {"groups": {}, "nodes": []}, indent=2))
+        return
+    if found is None:
+        click.echo(f"{topology}: no node_groups; the {len(validated.topology.nodes)} node(s) are written in the file")
+        return
+    rows = [("NAME", "GROUP", "INSTANCE", "TYPE/PRESET", "SSH HOST", "PRIVATE IP", "PUBLIC IP/DNS")]
+    rows += [(n.name, n.group, n.instance_id, n.preset, n.host, n.private_ip, n.public_ip or n.dns_name or "-") for n in found.nodes]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:  # plain columns: greppable, never truncated in a pipe
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+
+
 def _ssh_options(accept_new_host_keys: bool, command_timeout: float) -> Any:
     from bpdkv.deploy.remote import SshOptions
 

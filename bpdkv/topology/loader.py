@@ -120,10 +120,20 @@ def validate_document(doc: LoadedDocument, inventory: Inventory | None = None) -
         raise InvalidTopology(
             [Diagnostic(f"top level must be a mapping (apiVersion, name, model, nodes, ...), got {kind}", file=doc.file, line=1, column=1)]
         )
+    offline: list[Diagnostic] = []
     if "node_groups" in doc.data:
         if inventory is None:
-            raise InvalidTopology(
-                [_diag(doc.source, ("node_groups",), "node groups are resolved from EC2 only by `bpdkv inventory`, `plan` and `apply`")]
+            # No discovery here (validate, render): each group is checked as one placeholder machine, and said so.
+            from bpdkv.topology.groups import offline_inventory
+
+            inventory = offline_inventory
+            offline.append(
+                _diag(
+                    doc.source,
+                    ("node_groups",),
+                    "checked with one placeholder machine per group; `bpdkv inventory`, `plan` and `apply` ask EC2",
+                    "warning",
+                )
             )
         doc = inventory(doc)
     merged, source, errors = merge_presets(doc)
@@ -133,7 +143,7 @@ def validate_document(doc: LoadedDocument, inventory: Inventory | None = None) -
     topology = build_topology(merged)
     problems = checks.run_checks(topology)
     errors = [_diag(source, p.path, p.message) for p in problems if p.severity == "error"]
-    warnings = [_diag(source, p.path, p.message, "warning") for p in problems if p.severity == "warning"]
+    warnings = offline + [_diag(source, p.path, p.message, "warning") for p in problems if p.severity == "warning"]
     errors.sort(key=lambda d: (d.line or 0, d.column or 0))
     if errors:
         raise InvalidTopology(errors, warnings)
