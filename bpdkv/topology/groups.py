@@ -86,18 +86,25 @@ class MembershipChanged(BpdkvError):
     """The EC2 instances a saved plan was made for are no longer the ones the groups select."""
 
 
-def check_membership(saved: Mapping[str, Sequence[str]], current: Inventory) -> None:
-    """Refuse a saved plan whose groups now select other instances (one line per changed group)."""
+def membership_change(saved: Mapping[str, Sequence[str]], current: Inventory) -> str | None:
+    """One line naming every group whose instances differ from the saved plan's (+added -removed), or None."""
     now = current.membership()
     changes = []
     for group in sorted(set(saved) | set(now)):
         before, after = set(saved.get(group, ())), set(now.get(group, ()))
         if before != after:
-            added = ", ".join(f"+{i}" for i in sorted(after - before))
-            removed = ", ".join(f"-{i}" for i in sorted(before - after))
-            changes.append(f"group {group}: {' '.join(x for x in (added, removed) if x)}")
-    if changes:
-        raise MembershipChanged(f"EC2 group membership changed since the plan was saved ({'; '.join(changes)}); plan again")
+            moved = [f"+{i}" for i in sorted(after - before)] + [f"-{i}" for i in sorted(before - after)]
+            changes.append(f"group {group}: {' '.join(moved)}")
+    if not changes:
+        return None
+    return f"EC2 group membership changed since the plan was saved ({'; '.join(changes)}); plan again"
+
+
+def check_membership(saved: Mapping[str, Sequence[str]], current: Inventory) -> None:
+    """Refuse a saved plan whose groups now select other instances."""
+    change = membership_change(saved, current)
+    if change:
+        raise MembershipChanged(change)
 
 
 def _located(source: SourceMap, path: PathKey, message: str) -> Diagnostic:

@@ -16,6 +16,7 @@ from bpdkv.topology.groups import (
     MembershipChanged,
     check_membership,
     expand_groups,
+    membership_change,
     offline_inventory,
 )
 from bpdkv.topology.load import LoadedDocument
@@ -49,5 +50,6 @@ __all__ = [
     "check_membership",
     "expand_groups",
     "load_with_inventory",
+    "membership_change",
     "offline_inventory",
 ]
