@@ -1,0 +1,139 @@
+"""Secret references through a real apply (three SSH test hosts, fake vLLM), then a scan of everything bpdkv wrote or
+printed for the secret values: they may appear only in 0600 files on the nodes. Rotation plans a restart, redacted."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets as random_secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bpdkv.lab.hosts import PER_HOST_DIRS
+from tests.hosts.conftest import bpdkv, topology_doc, write_topology
+from tests.unit.test_secrets import aws  # noqa: F401 - the moto server fixture
+
+pytestmark = pytest.mark.hosts
+
+
+def _value(prefix: str) -> str:
+    return prefix + random_secrets.token_hex(16)
+
+
+def _scan(texts: dict[str, str], values: dict[str, str]) -> list[str]:
+    return [f"{name} holds {label}" for name, text in texts.items() for label, v in values.items() if v in text]
+
+
+def _node_files(hosts: Any) -> Iterator[tuple[str, Path]]:
+    for host in hosts.hosts:
+        for d in PER_HOST_DIRS:
+            root = host.fs / d.lstrip("/")
+            for path in root.rglob("*"):
+                if path.is_file() and not path.is_symlink():
+                    yield f"{host.name}:/{path.relative_to(host.fs)}", path
+
+
+@pytest.mark.usefixtures("aws")
+def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    import boto3
+
+    values = {
+        "hf token (env)": _value("hf_"),
+        "tenant key (file)": _value("sk-tenant-"),
+        "admin key (secrets manager)": _value("admin-"),
+        "redis password (ssm)": _value("redispw-"),
+    }
+    monkeypatch.setenv("BPDKV_SCAN_HF", values["hf token (env)"])
+    operator_secrets = tmp_path / "operator"
+    operator_secrets.mkdir(mode=0o700)
+    (operator_secrets / "tenant.key").write_text(values["tenant key (file)"] + "\n")
+    boto3.client("secretsmanager").create_secret(
+        Name="bpdkv/scan", SecretString=json.dumps({"admin": values["admin key (secrets manager)"]})
+    )
+    boto3.client("ssm").put_parameter(Name="/bpdkv/scan/redis", Value=values["redis password (ssm)"], Type="SecureString")
+
+    doc = topology_doc(hosts)
+    doc["vllm"]["env"]["HF_TOKEN"] = {"secret": {"env": "BPDKV_SCAN_HF"}}
+    doc["router"] = {
+        "state": "rediss://10.213.0.13:6380/0",
+        "api_keys": {"team-a": {"secret": {"file": "operator/tenant.key"}}},  # relative to the topology's folder
+        "admin_key": {"secret": {"aws_secretsmanager": "bpdkv/scan", "key": "admin"}},
+        "redis_password": {"secret": {"ssm": "/bpdkv/scan/redis"}},
+    }
+    topo = write_topology(tmp_path / "t.yaml", doc)
+    outputs: dict[str, str] = {}
+
+    def run(label: str, *args: str, expect: int) -> str:
+        result = bpdkv(*args)
+        outputs[f"`bpdkv {label}` stdout"] = result.stdout
+        outputs[f"`bpdkv {label}` stderr"] = result.stderr
+        assert result.returncode == expect, f"{label}: rc {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        return result.stdout
+
+    run("validate", "validate", str(topo), expect=0)
+    run("render", "render", str(topo), "--out", str(tmp_path / "rendered"), expect=0)
+    plan = json.loads(run("plan --output json", "plan", str(topo), "--output", "json", expect=2))
+    assert {f["action"] for h in plan["hosts"] for f in h["files"]} == {"create"}
+    saved = tmp_path / "plan.json"
+    run("plan --out", "plan", str(topo), "--out", str(saved), expect=2)
+    run("apply saved plan", "apply", str(saved), expect=0)
+    run("plan after apply", "plan", str(topo), expect=0)  # converged: resolution is stable, digests match
+    run("status", "status", str(topo), "--output", "json", expect=0)
+
+    # Rotation: a new HF token is a planned restart of every instance using it, and the diff shows no value.
+    old_hf = values["hf token (env)"]
+    values["hf token (rotated)"] = _value("hf_")
+    monkeypatch.setenv("BPDKV_SCAN_HF", values["hf token (rotated)"])
+    rotated = json.loads(run("plan after rotation", "plan", str(topo), "--output", "json", expect=2))
+    changed = {(h["host"], f["path"]): f["diff"] for h in rotated["hosts"] for f in h["files"] if f["action"] != "none"}
+    assert set(changed) == {("host1", "/etc/bpdkv/prefill-0.env"), ("host2", "/etc/bpdkv/decode-0.env")}
+    for diff in changed.values():
+        assert "-HF_TOKEN=<redacted>" in diff and "+HF_TOKEN=<redacted>" in diff
+    actions = {u["instance"]: (u["action"], u["reason"]) for h in rotated["hosts"] for u in h["units"]}
+    assert actions["prefill-0"] == ("restart", "changed: env") and actions["decode-0"][0] == "restart"
+    assert actions["router-0"][0] == "none"
+    run("plan after rotation (text)", "plan", str(topo), expect=2)
+    monkeypatch.setenv("BPDKV_SCAN_HF", old_hf)
+
+    # Rotation of a router secret (the tenant key) restarts only the router; applied for real.
+    values["tenant key (rotated)"] = _value("sk-tenant-")
+    (operator_secrets / "tenant.key").write_text(values["tenant key (rotated)"] + "\n")
+    router_rotation = json.loads(run("plan tenant rotation", "plan", str(topo), "--output", "json", expect=2))
+    actions = {u["instance"]: u["action"] for h in router_rotation["hosts"] for u in h["units"]}
+    assert actions == {"prefill-0": "none", "decode-0": "none", "router-0": "restart"}
+    run("apply tenant rotation", "apply", str(topo), "-y", expect=0)
+
+    # A missing secret: one line naming the reference, exit 1, nothing changed on any host.
+    monkeypatch.delenv("BPDKV_SCAN_HF")
+    before = {name: path.read_bytes() for name, path in _node_files(hosts)}
+    failed = bpdkv("apply", str(topo), "-y")
+    assert failed.returncode == 1 and "secret env:BPDKV_SCAN_HF: environment variable BPDKV_SCAN_HF is not set" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert {name: path.read_bytes() for name, path in _node_files(hosts)} == before
+
+    # The scan. Operator side: every output, the saved plan, the plain render. None may hold a value.
+    texts = dict(outputs)
+    texts["saved plan"] = saved.read_text()
+    for path in (tmp_path / "rendered").rglob("*"):
+        if path.is_file():
+            texts[f"rendered {path.relative_to(tmp_path)}"] = path.read_text()
+    assert _scan(texts, values) == []
+    # Nodes: values only in 0600 files (env files, the router's admin key and Redis password; inbound keys as digests).
+    holders = {}
+    for name, path in _node_files(hosts):
+        found = [label for label, v in values.items() if v in path.read_text(errors="replace")]
+        if found:
+            holders[name] = (oct(stat.S_IMODE(os.stat(path).st_mode)), found)
+    assert {name: mode for name, (mode, _) in holders.items()} == {
+        "host1:/etc/bpdkv/prefill-0.env": "0o600",
+        "host2:/etc/bpdkv/decode-0.env": "0o600",
+        "host3:/etc/bpdkv/router-admin.key": "0o600",
+        "host3:/etc/bpdkv/router-0.redis-password": "0o600",
+    }, holders
+    assert not any("tenant" in label for _, found in holders.values() for label in found)
+    keys = (hosts.hosts[2].fs / "etc/bpdkv/router-0.api-keys").read_text()
+    assert keys.count("team-a sha256:") == 1 and stat.S_IMODE(os.stat(hosts.hosts[2].fs / "etc/bpdkv/router-0.api-keys").st_mode) == 0o600
