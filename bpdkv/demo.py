@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from bpdkv.bench.runner import metric_value
+from bpdkv.contracts import P_CACHE_HEADER
 from bpdkv.errors import BpdkvError
 from bpdkv.lab import CACHE_DIR, tiny_model
 from bpdkv.lab.vllm_env import install_hint
-from bpdkv.router.protocol import P_CACHE_HEADER
 
 SYSTEM = "You are a helpful assistant for model cache questions. Answer briefly and name the layer, the block and the node."
 QUESTIONS = [

