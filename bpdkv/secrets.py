@@ -426,3 +426,17 @@ def router_secret_files(router: Any, instance: str, config_dir: str) -> tuple[di
             value = path
         config[f"{field_name}_file"] = value
     return config, files
+
+
+def router_base(router: Any, address: str, port: int) -> str:
+    """URL of a router as probed from its own node: HTTPS when it serves TLS (the probe does not verify: loopback)."""
+    return f"{'https' if router.tls_cert else 'http'}://{address}:{port}"
+
+
+def health_probe(role: str, router: Any, address: str, port: int) -> tuple[str, list[str]]:
+    """Base URL and paths of an instance's health gate. A router that requires API keys answers /v1/models only to a
+    tenant, and apply holds no tenant key, so its gate is /health alone."""
+    if role != "router":
+        return f"http://{address}:{port}", ["/health", "/v1/models"]
+    keyed = bool(router.api_keys or router.api_keys_file)
+    return router_base(router, address, port), ["/health"] if keyed else ["/health", "/v1/models"]

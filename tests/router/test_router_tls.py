@@ -284,3 +284,22 @@ def test_redis_tls_refuses_without_password_or_with_another_ca(redis_tls: dict[s
     other = CertificateAuthority(redis_tls["folder"], "other CA")
     with pytest.raises(StoreUnavailable):  # the server's certificate does not verify
         asyncio.run(_put(RedisStore(url, timeout=1, password=password, ssl_ca_certs=str(other.path))))
+
+
+def test_apply_probes_reach_an_https_router_that_requires_keys(https_router: dict[str, Any]) -> None:
+    """The health gate and the admin call apply makes on the router node (the same probe, run here locally)."""
+    from types import SimpleNamespace
+
+    from bpdkv.deploy.connectors import probe
+    from bpdkv.deploy.connectors.local import LocalConnector
+    from bpdkv.secrets import health_probe, router_base
+
+    router = SimpleNamespace(tls_cert="/etc/bpdkv/router-0.tls.crt", api_keys=(("team-a", KEY_A),), api_keys_file=None)
+    base, paths = health_probe("router", router, "127.0.0.1", https_router["port"])
+    assert base.startswith("https://") and paths == ["/health"]
+    node = LocalConnector()
+    assert probe(node, base, paths, 10).failure is None
+    # Why a keyed router's gate is /health alone: /v1/models answers only a tenant.
+    assert "HTTP 401" in (probe(node, base, ["/v1/models"], 2, once=True).failure or "")
+    listing = probe(node, router_base(router, "127.0.0.1", https_router["port"]), ["/admin/upstreams"], 5, once=True)
+    assert listing.failure is None and "prefill-0" in listing.body  # admin over HTTPS from loopback (no admin key set)
