@@ -97,7 +97,12 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
     assert actions["prefill-0"] == ("restart", "changed: env") and actions["decode-0"][0] == "restart"
     assert actions["router-0"][0] == "none"
     run("plan after rotation (text)", "plan", str(topo), expect=2)
+    saved_rotated = tmp_path / "plan-rotated.json"
+    run("plan --out (rotated)", "plan", str(topo), "--out", str(saved_rotated), expect=2)
     monkeypatch.setenv("BPDKV_SCAN_HF", old_hf)
+    # apply re-resolves and re-renders a saved plan: the secret it was made with is gone, so it is refused.
+    run("apply stale saved plan", "apply", str(saved_rotated), expect=1)
+    assert "plan again" in outputs["`bpdkv apply stale saved plan` stderr"]
 
     # Rotation of a router secret (the tenant key) restarts only the router; applied for real.
     values["tenant key (rotated)"] = _value("sk-tenant-")
@@ -118,6 +123,7 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
     # The scan. Operator side: every output, the saved plan, the plain render. None may hold a value.
     texts = dict(outputs)
     texts["saved plan"] = saved.read_text()
+    texts["saved plan (rotated)"] = saved_rotated.read_text()
     for path in (tmp_path / "rendered").rglob("*"):
         if path.is_file():
             texts[f"rendered {path.relative_to(tmp_path)}"] = path.read_text()

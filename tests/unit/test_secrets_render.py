@@ -121,3 +121,28 @@ def test_validate_warns_on_plaintext_and_never_quotes_it(tmp_path: Path) -> None
     assert sorted(w.path for w in warnings) == ["router.state", "vllm.env.HF_TOKEN"]
     assert all(w.line is not None for w in warnings)  # file:line like every other diagnostic
     assert not any(HF in w.format() or REDIS_PW in w.format() for w in validated.warnings)
+
+
+def test_render_cli_placeholders_unless_include_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import stat
+
+    from click.testing import CliRunner
+
+    from bpdkv.cli import main
+
+    topo = tmp_path / "t.yaml"
+    topo.write_text(yaml.safe_dump(doc(tmp_path)))
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    plain = CliRunner().invoke(main, ["render", str(topo), "--out", str(tmp_path / "plain")])
+    assert plain.exit_code == 0, plain.output
+    assert not any(HF in p.read_text() for p in (tmp_path / "plain").rglob("*") if p.is_file())
+    full = CliRunner().invoke(main, ["render", str(topo), "--out", str(tmp_path / "full"), "--include-secrets"])
+    assert full.exit_code == 0, full.output
+    env_file = tmp_path / "full/a/etc/bpdkv/prefill-0.env"
+    assert HF in env_file.read_text() and stat.S_IMODE(os.stat(env_file).st_mode) == 0o600
+    monkeypatch.delenv("BPDKV_TEST_HF")
+    missing = CliRunner().invoke(main, ["render", str(topo), "--out", str(tmp_path / "x"), "--include-secrets"])
+    assert missing.exit_code == 1 and "environment variable BPDKV_TEST_HF is not set" in missing.output
+    assert not (tmp_path / "x").exists()  # nothing written when a reference fails
