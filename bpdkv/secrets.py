@@ -115,7 +115,10 @@ def register(value: str) -> None:
 
             def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
                 record = previous(*args, **kwargs)
-                message = record.getMessage()
+                try:
+                    message = record.getMessage()
+                except Exception:  # noqa: BLE001 - a malformed call is logging's to report, at emit time
+                    return record
                 masked = mask(message)
                 if masked != message:
                     record.msg, record.args = masked, None
