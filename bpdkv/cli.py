@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import click
 
 from bpdkv import __version__
-from bpdkv.errors import BpdkvError, Diagnostic, InvalidTopology
+from bpdkv.errors import BpdkvError, InvalidTopology
 from bpdkv.lab.vllm_env import DEFAULT_VENV
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -59,54 +59,53 @@ def _load(path: str) -> Any:
 
 
 @main.command()
-@click.argument("topology", type=click.Path(dir_okay=True, path_type=str))
-@click.option("--output", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def validate(topology: str, output: str) -> None:
-    """Check a topology (schema + semantic rules); print every problem, one line each."""
-    from bpdkv.topology.loader import load_topology
+@click.argument("topologies", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
+@click.option(
+    "--output",
+    "output",
+    type=click.Choice(["text", "json", "github"]),
+    default="text",
+    show_default=True,
+    help="github: workflow-command annotations (::error file=…,line=…::) for GitHub Actions.",
+)
+def validate(topologies: tuple[str, ...], output: str) -> None:
+    """Check topologies (schema + semantic rules + capacity); print every problem, one line each.
 
-    errors: list[Diagnostic] = []
-    warnings: list[Diagnostic] = []
-    summary = None
-    try:
-        result = load_topology(Path(topology), topology)
-        warnings = result.warnings
-        t = result.topology
-        summary = {
-            "name": t.name,
-            "nodes": len(t.nodes),
-            "prefill": len(t.instances("prefill")),
-            "decode": len(t.instances("decode")),
-            "router": len(t.instances("router")),
-        }
-    except InvalidTopology as exc:
-        errors, warnings = exc.errors, exc.warnings
+    Exit 1 if any file has an error. --output json prints one object per file (a list for several files)."""
+    from bpdkv.topology.report import github_annotation, validate_file
+
+    reports = [validate_file(path) for path in topologies]
     if output == "json":
-        click.echo(
-            json.dumps(
-                {
-                    "file": topology,
-                    "valid": not errors,
-                    "summary": summary,
-                    "errors": [e.to_json() for e in errors],
-                    "warnings": [w.to_json() for w in warnings],
-                },
-                indent=2,
-            )
-        )
+        docs = [r.to_json() for r in reports]
+        click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
+    elif output == "github":
+        for r in reports:
+            for d in r.errors + r.warnings:
+                click.echo(github_annotation(d, r.file))
+            click.echo(f"{r.file}: valid" if r.valid else f"{r.file}: {len(r.errors)} error(s)")
     else:
-        for w in warnings:
-            _yellow(w.format())
-        for e in errors:
-            _red(e.format())
-        if summary:
-            click.echo(
-                f"{topology}: valid — topology {summary['name']}: {summary['nodes']} node(s), "
-                f"{summary['prefill']} prefill, {summary['decode']} decode, {summary['router']} router"
-            )
-        else:
-            click.echo(f"{topology}: {len(errors)} error(s)", err=True)
-    sys.exit(1 if errors else 0)
+        for r in reports:
+            for w in r.warnings:
+                _yellow(w.format())
+            for e in r.errors:
+                _red(e.format())
+            if r.summary:
+                s = r.summary
+                click.echo(
+                    f"{r.file}: valid — topology {s['name']}: {s['nodes']} node(s), "
+                    f"{s['prefill']} prefill, {s['decode']} decode, {s['router']} router"
+                )
+            else:
+                click.echo(f"{r.file}: {len(r.errors)} error(s)", err=True)
+    sys.exit(0 if all(r.valid for r in reports) else 1)
+
+
+@main.command()
+def schema() -> None:
+    """Print the topology JSON Schema as editors see a file (before profiles merge): `bpdkv schema > topology.schema.json`."""
+    from bpdkv.topology.schema import editor_schema
+
+    click.echo(json.dumps(editor_schema(), indent=2))
 
 
 @main.command()
@@ -148,17 +147,25 @@ def render(topology: str, out_dir: Path, include_secrets: bool) -> None:
 @click.option("--hardware", required=True, help="Hardware preset, see `bpdkv profiles list`.")
 @click.option("--prefill", default=1, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--decode", default=1, show_default=True, type=click.IntRange(1, 1024))
-@click.option("--prefill-tp", default=1, show_default=True, type=click.IntRange(1, 64))
-@click.option("--decode-tp", default=1, show_default=True, type=click.IntRange(1, 64))
+@click.option("--prefill-tp", default=None, type=click.IntRange(1, 64), help="Default: the smallest TP that fits (capacity model).")
+@click.option("--decode-tp", default=None, type=click.IntRange(1, 64), help="Default: the smallest TP that fits, >= --prefill-tp.")
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --output file.")
 @user_errors
 def init(
-    name: str, model: str, hardware: str, prefill: int, decode: int, prefill_tp: int, decode_tp: int, output: Path | None, force: bool
+    name: str,
+    model: str,
+    hardware: str,
+    prefill: int,
+    decode: int,
+    prefill_tp: int | None,
+    decode_tp: int | None,
+    output: Path | None,
+    force: bool,
 ) -> None:
     """Scaffold a commented topology from a model profile and a hardware preset."""
     from bpdkv.errors import UsageError
-    from bpdkv.init import InitRequest, scaffold_topology
+    from bpdkv.init import InitRequest, scaffold_topology, write_schema_beside
     from bpdkv.topology.load import parse_yaml
     from bpdkv.topology.loader import validate_document
 
@@ -170,7 +177,8 @@ def init(
     if output.exists() and not force:
         raise UsageError(f"{output} exists; pass --force to overwrite it")
     output.write_text(text, encoding="utf-8")
-    click.echo(f"wrote {output}; next: bpdkv validate {output}")
+    schema = write_schema_beside(output)
+    click.echo(f"wrote {output}" + (f" and {schema} (editor schema)" if schema else "") + f"; next: bpdkv validate {output}")
 
 
 @main.command()
@@ -281,6 +289,17 @@ def profiles_show(name: str) -> None:
         if ref is not None:
             click.echo(f"# {ref.kind}/{ref.path.name}")
             click.echo(ref.path.read_text(encoding="utf-8"), nl=False)
+            if kind == "models":
+                from bpdkv.topology.capacity import ACTIVATION_HEADROOM_GIB, DEFAULT_GPU_MEMORY_UTILIZATION, profile_figures
+                from bpdkv.topology.profiles import load_profile
+
+                presets = [(h.name, load_profile(h).data) for h in list_profiles("hardware")]
+                click.echo(
+                    f"# capacity (gpu_memory_utilization {DEFAULT_GPU_MEMORY_UTILIZATION}, "
+                    f"{ACTIVATION_HEADROOM_GIB:g} GiB activation headroom per GPU; KV tokens per engine):"
+                )
+                for line in profile_figures(load_profile(ref).data, presets):
+                    click.echo(f"#   {line}")
             return
     names = [p.name for kind in KINDS for p in list_profiles(kind)]
     raise UsageError(f"unknown profile '{name}'; {suggest(name, names)}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from bpdkv.errors import UsageError
 from bpdkv.topology.profiles import find_profile, list_profiles, load_profile, suggest
@@ -15,8 +17,8 @@ class InitRequest:
     hardware: str
     prefill: int = 1
     decode: int = 1
-    prefill_tp: int = 1
-    decode_tp: int = 1
+    prefill_tp: int | None = None  # None: the smallest TP whose engine holds the weights and one max_model_len sequence
+    decode_tp: int | None = None
 
 
 def _check_preset(kind: str, name: str) -> dict:
@@ -29,14 +31,44 @@ def _check_preset(kind: str, name: str) -> dict:
     return data
 
 
+# Where `bpdkv init -o FILE` puts the editor schema, beside FILE; the modeline names it relative to the topology.
+SCHEMA_FILE = "topology.schema.json"
+MODELINE = f"# yaml-language-server: $schema={SCHEMA_FILE}"
+
+
+def _auto_tp(req: InitRequest, model: dict, hw: dict) -> int:
+    """The smallest TP that fits the model on this hardware (1 when the sizes or the GPU memory are unknown)."""
+    from bpdkv.topology.capacity import smallest_fitting_tp
+    from bpdkv.topology.model import build_topology
+
+    memory = hw.get("gpu_memory_gib")
+    if hw.get("accelerator") == "cpu" or memory is None:
+        return 1
+    spec = build_topology({"name": "x", "model": model["model"], "vllm": model.get("vllm", {}), "nodes": []}).model
+    if spec.size is None:
+        return 1
+    tp = smallest_fitting_tp(spec, float(memory), int(hw.get("gpus", 0)))
+    if tp is None:
+        raise UsageError(
+            f"model '{req.model}' does not fit one {req.hardware} node at any tp (its weights and one max_model_len sequence "
+            f"need more than {hw.get('gpus')} x {memory} GiB); see `bpdkv profiles show {req.model}` for hardware that fits"
+        )
+    return tp
+
+
 def scaffold_topology(req: InitRequest) -> str:
     """A topology the user can edit: P on node-p*, D on node-d*, router beside the first decode node."""
     model = _check_preset("models", req.model)
     hw = _check_preset("hardware", req.hardware)
     gpus_per_node = int(hw.get("gpus", 0))
     cpu = hw.get("accelerator") == "cpu"
-    if req.decode_tp < req.prefill_tp and model.get("model", {}).get("arch") != "mla":
-        raise UsageError(f"--decode-tp {req.decode_tp} < --prefill-tp {req.prefill_tp}: decode TP must be >= prefill TP for this model")
+    mla = model.get("model", {}).get("arch") == "mla"
+    fitting = _auto_tp(req, model, hw) if req.prefill_tp is None or req.decode_tp is None else 1
+    prefill_tp = req.prefill_tp if req.prefill_tp is not None else fitting
+    decode_tp = req.decode_tp if req.decode_tp is not None else (fitting if mla else max(fitting, prefill_tp))
+    req = InitRequest(req.name, req.model, req.hardware, req.prefill, req.decode, prefill_tp, decode_tp)
+    if decode_tp < prefill_tp and not mla:
+        raise UsageError(f"--decode-tp {decode_tp} < --prefill-tp {prefill_tp}: decode TP must be >= prefill TP for this model")
 
     def place(role: str, count: int, tp: int) -> list[list[str]]:
         nodes: list[list[str]] = []
@@ -55,6 +87,8 @@ def scaffold_topology(req: InitRequest) -> str:
         return nodes
 
     lines = [
+        MODELINE,
+        f"# Editors validate while you type against {SCHEMA_FILE} beside this file (`bpdkv schema > {SCHEMA_FILE}`).",
         f"# bpdkv topology scaffolded by `bpdkv init` from model profile '{req.model}' and hardware preset '{req.hardware}'.",
         "# Reference: docs/topology.md. Validate with `bpdkv validate`, preview with `bpdkv render`.",
         "apiVersion: bpdkv/v1",
@@ -77,7 +111,7 @@ def scaffold_topology(req: InitRequest) -> str:
         "nodes:",
     ]
     n = 0
-    for role, count, tp in (("prefill", req.prefill, req.prefill_tp), ("decode", req.decode, req.decode_tp)):
+    for role, count, tp in (("prefill", req.prefill, prefill_tp), ("decode", req.decode, decode_tp)):
         for ni, block in enumerate(place(role, count, tp)):
             n += 1
             lines += [
@@ -91,3 +125,21 @@ def scaffold_topology(req: InitRequest) -> str:
             if role == "decode" and ni == 0:
                 lines.append("      - {role: router, port: 8000}")
     return "\n".join(lines) + "\n"
+
+
+def write_schema_beside(topology_file: Path) -> Path | None:
+    """Write the editor schema next to a scaffolded topology; keep a file there that is not bpdkv's. Returns what was written."""
+    from bpdkv.topology.schema import editor_schema
+
+    target = topology_file.parent / SCHEMA_FILE
+    schema = editor_schema()
+    text = json.dumps(schema, indent=2) + "\n"
+    if target.exists():
+        try:
+            existing = json.loads(target.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(existing, dict) or existing.get("$id") != schema["$id"] or existing == schema:
+            return None
+    target.write_text(text, encoding="utf-8")
+    return target

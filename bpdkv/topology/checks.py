@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from bpdkv.secrets import plaintext_secret_findings
+from bpdkv.topology.capacity import capacity_problems
 from bpdkv.topology.load import PathKey
 from bpdkv.topology.model import Instance, Node, Topology
 from bpdkv.topology.vllm_args import owned_arg_problems
@@ -265,6 +266,13 @@ def conflicting_args(t: Topology) -> Iterator[Problem]:
     ]:
         for problem in owned_arg_problems(list(args)):
             yield Problem(source_path + (problem.index,), problem.message, problem.severity)
+
+
+@rule
+def capacity(t: Topology) -> Iterator[Problem]:
+    """Weights and one max_model_len sequence must fit each engine; the hold budget must leave room for live requests."""
+    for inst, severity, message in capacity_problems(t):
+        yield Problem(inst.path, message, severity)
 
 
 @rule

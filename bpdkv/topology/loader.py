@@ -16,7 +16,7 @@ from bpdkv.topology.partial import valid_parts
 from bpdkv.topology.profiles import find_profile, list_profiles, load_profile, suggest
 
 # Keys a hardware preset may fill on a node; everything else in the preset is documentation.
-HARDWARE_NODE_KEYS = ("accelerator", "gpus", "gpu_model", "efa_devices", "env")
+HARDWARE_NODE_KEYS = ("accelerator", "gpus", "gpu_model", "gpu_memory_gib", "efa_devices", "env")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,19 @@ DEFAULT_HTTP_PORTS: dict[str, int] = {"router": 8000, "prefill": 8100, "decode":
 
 
 @dataclass(frozen=True)
+class ModelSize:
+    """Sizes for weights and KV memory (bpdkv.topology.capacity), from the model's config.json and card."""
+
+    parameters: int
+    bytes_per_parameter: float
+    layers: int  # layers holding KV cache
+    kv_heads: int | None  # GQA/MHA: KV heads (sharded over TP); None for MLA
+    head_dim: int | None
+    kv_lora_rank: int | None  # MLA: latent size per token and layer (replicated on every TP rank)
+    qk_rope_head_dim: int | None  # MLA: rope part stored beside the latent
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     id: str
     path: str | None
@@ -32,6 +45,7 @@ class ModelSpec:
     arch: str
     tokenizer: str | None
     trust_remote_code: bool
+    size: ModelSize | None = None  # what the capacity model needs; None when the profile/topology does not give it
 
     @property
     def source(self) -> str:
@@ -153,6 +167,7 @@ class Node:
     ssh: SshSpec
     instances: tuple[Instance, ...]
     path: PathKey
+    gpu_memory_gib: float | None = None  # per GPU (hardware preset or node); None: capacity not checked
 
 
 @dataclass(frozen=True)
@@ -213,6 +228,24 @@ def _ssh(data: dict[str, Any], base: SshSpec | None = None) -> SshSpec:
     )
 
 
+# Bytes of one weight when the model section gives no bytes_per_parameter ("auto": the checkpoint's bf16/fp16).
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _model_size(m: dict[str, Any]) -> ModelSize | None:
+    if "parameters" not in m or "layers" not in m:
+        return None
+    return ModelSize(
+        parameters=int(m["parameters"]),
+        bytes_per_parameter=float(m.get("bytes_per_parameter", DTYPE_BYTES[m.get("dtype", "auto")])),
+        layers=int(m["layers"]),
+        kv_heads=m.get("kv_heads"),
+        head_dim=m.get("head_dim"),
+        kv_lora_rank=m.get("kv_lora_rank"),
+        qk_rope_head_dim=m.get("qk_rope_head_dim"),
+    )
+
+
 def build_topology(doc: dict[str, Any]) -> Topology:
     """Turn a merged, schema-valid document into the typed model, filling defaults and auto ports."""
     m = doc["model"]
@@ -223,11 +256,12 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         dtype=m.get("dtype", "auto"),
         kv_cache_dtype=m.get("kv_cache_dtype", "auto"),
         max_model_len=m.get("max_model_len"),
-        # 128 rather than vLLM's 16: NIXL pulls of 16-token blocks are descriptor-bound (shared/notes/gpu.md).
+        # 128 rather than vLLM's 16: NIXL pulls of 16-token blocks are descriptor-bound (benchmarks/results/gpu-h200x2).
         block_size=m.get("block_size", 128),
         arch=m.get("arch", "dense"),
         tokenizer=m.get("tokenizer"),
         trust_remote_code=bool(m.get("trust_remote_code", False)),
+        size=_model_size(m),
     )
     all_cpu = all(n.get("accelerator", "gpu") == "cpu" for n in doc["nodes"])
     v = doc.get("vllm", {})
@@ -346,6 +380,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
                 ssh=_ssh(n.get("ssh", {}), ssh),
                 instances=tuple(instances),
                 path=("nodes", ni),
+                gpu_memory_gib=float(n["gpu_memory_gib"]) if "gpu_memory_gib" in n else None,
             )
         )
     return Topology(

@@ -129,3 +129,20 @@ def validate(data: Any, source: SourceMap, definition: str | None = None) -> lis
             )
     out.sort(key=lambda d: (d.file or "", d.line or 0, d.column or 0))
     return out
+
+
+def editor_schema() -> dict[str, Any]:
+    """The schema for a topology as written, before profiles are merged in (editors, pre-commit, `bpdkv schema`).
+
+    bpdkv validates the merged document with topology.schema.json; a file that names a `profile:` may leave out
+    `model:` or `model.id` and split model sizes between profile and file, so those requirements hold only without one.
+    """
+    doc = json.loads(json.dumps(load_schema("topology.schema.json")))
+    doc["required"] = [key for key in doc["required"] if key != "model"]
+    model = doc["$defs"]["model"]
+    model.pop("required", None)
+    model.pop("dependentRequired", None)
+    doc["if"] = {"not": {"required": ["profile"]}}
+    doc["then"] = {"required": ["model"], "properties": {"model": {"required": ["id"]}}}
+    doc["description"] += " Editor form: as written, before the `profile:` preset is merged in."
+    return doc

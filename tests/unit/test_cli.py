@@ -75,14 +75,14 @@ def test_render_refuses_file_as_out(tmp_path: Path) -> None:
 @pytest.mark.parametrize("model", [p.name for p in list_profiles("models")])
 @pytest.mark.parametrize("hardware", [p.name for p in list_profiles("hardware")])
 def test_init_scaffolds_validate_for_every_profile_pair(model: str, hardware: str, tmp_path: Path) -> None:
-    cpu = hardware == "cpu"
+    # TP defaults to the smallest that fits (capacity model); models whose FP8 weights exceed a whole node are refused.
     args = ["init", "--name", "scaffold", "--model", model, "--hardware", hardware, "--prefill", "3", "--decode", "2"]
-    if not cpu:
-        args += ["--prefill-tp", "2", "--decode-tp", "4"]
     out = tmp_path / "t.yaml"
     result = CliRunner().invoke(main, args + ["-o", str(out)])
-    if cpu != (model == "tiny-cpu") and hardware != "cpu":
-        pass
+    if model in ("deepseek-r1", "glm-5-fp8") and hardware in ("p4d.24xlarge", "p5.48xlarge"):
+        assert result.exit_code == 1 and f"model '{model}' does not fit one {hardware} node at any tp" in result.output
+        assert "Traceback" not in result.output and not out.exists()
+        return
     assert result.exit_code == 0, result.output
     validated = load_topology(out)
     assert len(validated.topology.instances("prefill")) == 3

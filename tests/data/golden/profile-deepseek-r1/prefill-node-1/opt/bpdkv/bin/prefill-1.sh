@@ -1,0 +1,19 @@
+#!/bin/sh
+# Managed by bpdkv (topology init-deepseek-r1): prefill instance prefill-1 on node prefill-node-1.
+set -eu
+set -a
+. /etc/bpdkv/prefill-1.env
+set +a
+exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.openai.api_server \
+  --model deepseek-ai/DeepSeek-R1 \
+  --served-model-name deepseek-r1 \
+  --host 0.0.0.0 \
+  --port 8100 \
+  --dtype auto \
+  --kv-cache-dtype auto \
+  --block-size 64 \
+  --tensor-parallel-size 8 \
+  --max-model-len 131072 \
+  --trust-remote-code \
+  --kv-transfer-config '{"kv_connector":"BpdkvNixlConnector","kv_role":"kv_producer","kv_buffer_device":"cuda","kv_load_failure_policy":"fail","kv_connector_extra_config":{"backends":["LIBFABRIC"],"bidirectional_kv_xfer":true,"kv_lease_duration":30,"decoder_kv_blocks_ttl":480,"kv_recompute_threshold":64,"unverified_reuse":"refuse"},"kv_connector_module_path":"bpdkv.vllm_plugin.connector"}' \
+  --enable-expert-parallel
