@@ -74,6 +74,8 @@ class SoakReport:
     records: list[RequestRecord] = field(default_factory=list)
     restarts: list[Restart] = field(default_factory=list)
     rss_mb: list[tuple[float, float]] = field(default_factory=list)
+    wrong_kv_tokens: float = 0.0  # KV of other tokens pulled by a P (a history merged with another): must stay 0
+    pulls: float = 0.0  # P's pulls of D's blocks: the soak exercised reuse
 
     def overlaps_a_death(self, r: RequestRecord) -> bool:
         """In flight when an upstream was killed (its shutdown takes up to the graceful timeout)."""
@@ -108,6 +110,8 @@ class SoakReport:
             "rss_mb_first": self.rss_mb[0][1] if self.rss_mb else None,
             "rss_mb_last": self.rss_mb[-1][1] if self.rss_mb else None,
             "rss_growth_mb": round(self.rss_growth_mb(), 2),
+            "wrong_kv_tokens": self.wrong_kv_tokens,
+            "pulls": self.pulls,
             "latency_p50_s": round(_median([r.ended - r.started for r in self.records if r.outcome is Outcome.OK] or [0.0]), 4),
         }
 
@@ -133,6 +137,10 @@ class Upstream:
         self.url = f"http://127.0.0.1:{self.port}"
         self.emulator: VllmEmulator | None = None
         self.group: ServerGroup | None = None
+        self.past: list[VllmEmulator] = []  # engines killed before: their counters still count
+
+    def counter(self, name: str) -> float:
+        return sum(e.counters.get(name, 0) for e in [*self.past, *([self.emulator] if self.emulator else [])])
 
     def start(self) -> None:
         self.emulator = VllmEmulator(self.settings)
@@ -142,7 +150,8 @@ class Upstream:
     def kill(self) -> None:
         assert self.group is not None and self.emulator is not None
         self.emulator.close()  # its engine leaves the fabric: its blocks can no longer be pulled
-        self.group.stop()
+        self.group.crash()
+        self.past.append(self.emulator)
 
 
 def router_rss_mb(pid: int) -> float:
@@ -249,13 +258,28 @@ async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -
     return Outcome.OK, 200, "".join(parts), ""
 
 
+SHARED_SESSION = "soak-shared-session"
+BRANCH_BASE = [
+    {"role": "system", "content": "A history that several clients continue at once. " * 6},
+    {"role": "user", "content": "Where do we start?"},
+]
+
+
 async def _client(fleet: SoakFleet, settings: SoakSettings, report: SoakReport, t0: float, cid: int, stop_at: float) -> None:
+    """Three kinds of client, by cid % 3: plain conversations; conversations that all name one X-Session-Id (each
+    claims the others' session: the router must never hand one history's KV to another); branches of one shared
+    history, sent concurrently."""
     url = fleet.url + "/v1/chat/completions"
+    kind = cid % 3
+    headers = {"X-Session-Id": SHARED_SESSION} if kind == 1 else {}
     conv = 0
-    async with httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout), headers=headers) as client:
         while time.monotonic() < stop_at:
             conv += 1
-            messages: list[dict[str, Any]] = [{"role": "system", "content": f"Soak client {cid}, conversation {conv}. " * 6}]
+            if kind == 2:
+                messages = [*BRANCH_BASE, {"role": "assistant", "content": reference_answer(BRANCH_BASE, settings.max_tokens)}]
+            else:
+                messages = [{"role": "system", "content": f"Soak client {cid}, conversation {conv}. " * 6}]
             for turn in range(settings.turns):
                 if time.monotonic() >= stop_at:
                     return
@@ -300,6 +324,8 @@ async def _soak(fleet: SoakFleet, settings: SoakSettings) -> SoakReport:
     stop_at = t0 + settings.duration
     tasks = [_client(fleet, settings, report, t0, cid, stop_at) for cid in range(settings.concurrency)]
     await asyncio.gather(*tasks, _restarter(fleet, settings, report, t0, stop_at), _rss(fleet, settings, report, t0, stop_at))
+    report.wrong_kv_tokens = sum(u.counter("emulator_wrong_kv_tokens") for u in fleet.upstreams)
+    report.pulls = sum(u.counter("nixl_xfer_count") for u in fleet.upstreams if u.name.startswith("prefill"))
     return report
 
 

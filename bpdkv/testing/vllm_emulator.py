@@ -346,7 +346,8 @@ class VllmEmulator:
         if held is None or held.expires_at - now < DECLINE_WITHIN:
             self.count("nixl_num_kv_expired_reqs")
             if self.settings.kv_load_failure_policy == "fail":
-                return vllm_error(500, "Declining expired remote read", None, "InternalServerError")
+                # vLLM logs "Declining expired remote read" (or NIXL_ERR_REMOTE_DISCONNECT); the client sees only this
+                return vllm_error(500, "Internal server error", None, "InternalServerError")
             await asyncio.sleep(self.settings.max_hang)  # upstream "recompute" hangs
             return vllm_error(500, "hung", None, "InternalServerError")
         n = min(int(params.get(contracts.REMOTE_NUM_TOKENS) or 0), len(tokens)) - cached
@@ -697,6 +698,12 @@ class ServerGroup:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
         self._loop.run_until_complete(main())
+        # Responses cut off by crash(): let them unwind here rather than in a closed loop.
+        pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         self._loop.close()
 
     def start(self, timeout: float = 10.0) -> list[str]:
@@ -725,6 +732,22 @@ class ServerGroup:
         assert self._loop is not None
         asyncio.run_coroutine_threadsafe(wait(), self._loop)
         done.wait(timeout)
+
+    def crash(self, timeout: float = 15.0) -> None:
+        """End every server as a killed process would: open connections reset, in-flight responses cut off."""
+
+        async def abort() -> None:
+            for server in self._servers:
+                server.should_exit = server.force_exit = True
+                for conn in list(server.server_state.connections):
+                    if conn.transport is not None:
+                        conn.transport.abort()
+                for task in list(server.server_state.tasks):
+                    task.cancel()
+
+        if self._loop is not None and self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(abort(), self._loop).result(timeout)
+        self.stop(timeout)
 
     def call(self, coro: Any, timeout: float = 30.0) -> Any:
         """Run a coroutine on the servers' loop (e.g. to inspect a router's store)."""
