@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +63,9 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
         env = dict(os.environ, **BASE_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()))
+        # vLLM's engine IPC sockets go here (default: /tmp, where they would stay behind); removed by stop().
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix=f"bpdkv-{name}-ipc-"))  # short: socket paths max 107 bytes
+        env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
         if not plugins:
             env["VLLM_PLUGINS"] = "none"  # an unpatched server: no general plugin is loaded
         argv = [
@@ -137,6 +141,7 @@ class VllmServer:
 
     def stop(self) -> None:
         stop_group(self.proc, grace=30)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
