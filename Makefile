@@ -4,6 +4,8 @@
 # environment, ~4 GB, reused); `make clean` removes the former and .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Tests and scripts call `bpdkv` by name: the venv's, not whatever else is on PATH.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup demo test lint unit e2e clean
 
