@@ -38,14 +38,14 @@ MODELINE = f"# yaml-language-server: $schema={SCHEMA_FILE}"
 
 def _auto_tp(req: InitRequest, model: dict, hw: dict) -> int:
     """The smallest TP that fits the model on this hardware (1 when the sizes or the GPU memory are unknown)."""
-    from bpdkv.topology.capacity import smallest_fitting_tp
+    from bpdkv.topology.capacity import sized, smallest_fitting_tp
     from bpdkv.topology.model import build_topology
 
     memory = hw.get("gpu_memory_gib")
     if hw.get("accelerator") == "cpu" or memory is None:
         return 1
     spec = build_topology({"name": "x", "model": model["model"], "vllm": model.get("vllm", {}), "nodes": []}).model
-    if spec.size is None:
+    if not sized(spec.size):
         return 1
     tp = smallest_fitting_tp(spec, float(memory), int(hw.get("gpus", 0)))
     if tp is None:

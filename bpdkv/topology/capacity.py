@@ -71,6 +71,11 @@ class Capacity:
         return out
 
 
+def sized(size: ModelSize | None) -> bool:
+    """Whether the sizes describe the KV layout (GQA/MHA heads or an MLA latent), not only the weights."""
+    return size is not None and (size.kv_lora_rank is not None or (size.kv_heads is not None and size.head_dim is not None))
+
+
 def kv_bytes(model: ModelSpec, kv_cache_dtype: str) -> int:
     if kv_cache_dtype in KV_DTYPE_BYTES:
         return KV_DTYPE_BYTES[kv_cache_dtype]
@@ -120,7 +125,7 @@ def _hold_budget(t: Topology, inst: Instance) -> float | None:
 def instance_capacity(t: Topology, node: Node, inst: Instance) -> Capacity | None:
     """The figures of one P or D instance, or None when the model's sizes or the node's memory are unknown."""
     size = t.model.size
-    if inst.role == "router" or size is None:
+    if inst.role == "router" or size is None or not sized(size):
         return None
     args = list(t.vllm.extra_args) + list(inst.extra_args)
     hold = _hold_budget(t, inst) if inst.role == "decode" else None
@@ -158,7 +163,7 @@ def smallest_fitting_tp(
     utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
 ) -> int | None:
     """The smallest power-of-two TP (<= max_gpus) whose engine holds the weights and one max_model_len sequence."""
-    if model.size is None:
+    if model.size is None or not sized(model.size):
         return None
     for tp in TP_CHOICES:
         if tp > max_gpus:
@@ -227,8 +232,8 @@ def profile_figures(profile: dict[str, Any], hardware: list[tuple[str, dict[str,
     """Lines for `bpdkv profiles show MODEL`: per GPU hardware preset, the smallest TP that fits and its figures."""
     model = build_topology({"name": "x", "model": profile["model"], "vllm": profile.get("vllm", {}), "nodes": []}).model
     size = model.size
-    if size is None:
-        return ["no sizes in this profile (parameters, layers, ...): capacity is not checked"]
+    if size is None or not sized(size):
+        return ["no sizes in this profile (parameters, layers, KV heads or MLA latent): capacity is not checked"]
     weights = size.parameters * size.bytes_per_parameter / GIB
     lines = [
         f"weights {weights:.1f} GiB ({size.parameters:,} parameters x {size.bytes_per_parameter:g} B); "

@@ -43,3 +43,39 @@ def test_gpu_model_profiles_use_large_blocks() -> None:
             continue  # CPU test model: TCP pulls of tiny KV, no descriptor-bound RDMA (the rule is about GPUs)
         block = data["model"]["block_size"]
         assert block >= 64, f"{ref.name}: block_size {block} makes NIXL pulls descriptor-bound"
+
+
+@pytest.mark.parametrize("ref", MODELS + HARDWARE, ids=lambda r: f"{r.kind}/{r.name}")
+def test_profiles_cite_only_what_a_user_can_read(ref) -> None:  # type: ignore[no-untyped-def]
+    """Sources are public (URLs, model cards, config.json, papers, vendor docs) or committed files; nothing private."""
+    text = ref.path.read_text()
+    for private in ("shared/", "DESIGN.md", "notes/", "../"):
+        assert private not in text, f"{ref.path.name} cites {private!r}, which a user of the wheel does not have"
+
+
+SIZE_KEYS = ("parameters", "bytes_per_parameter", "layers", "kv_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim")
+
+
+@pytest.mark.parametrize("ref", MODELS, ids=lambda r: r.name)
+def test_model_profiles_carry_capacity_sizes_with_sources(ref) -> None:  # type: ignore[no-untyped-def]
+    model = load_profile(ref).data["model"]
+    assert {"parameters", "layers"} <= set(model), f"{ref.name}: capacity sizes missing"
+    if model["arch"] == "mla":
+        assert {"kv_lora_rank", "qk_rope_head_dim"} <= set(model) and "kv_heads" not in model
+    else:
+        assert {"kv_heads", "head_dim"} <= set(model) and "kv_lora_rank" not in model
+    lines = ref.path.read_text().splitlines()
+    for n, line in enumerate(lines):
+        key = line.strip().split(":", 1)[0]
+        if key in SIZE_KEYS:
+            cited = line + " " + " ".join(lines[max(0, n - 2) : n])
+            assert any(s in cited for s in ("config.json", "model card", "https://", "report", "bpdkv/lab", "checkpoint")), (
+                f"{ref.path.name}:{n + 1}: {key} without its source"
+            )
+
+
+def test_gpu_presets_carry_gpu_memory() -> None:
+    for ref in HARDWARE:
+        data = load_profile(ref).data
+        if data["accelerator"] == "gpu" and "gpu_model" in data:
+            assert data.get("gpu_memory_gib", 0) > 0, f"{ref.name}: gpu_memory_gib missing (capacity checks need it)"
