@@ -78,6 +78,7 @@ def test_table_names_its_source() -> None:
     assert {"-tp", "-dp", "-pp", "--kv-transfer-config", "--port"} <= strings
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM environment at /opt/bpdkv-ci/vllm-venv")
 def test_table_matches_installed_vllm() -> None:
     """The committed table is what the installed vLLM's parser says (regenerate: python -m bpdkv.topology.vllm_args)."""
