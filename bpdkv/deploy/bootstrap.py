@@ -205,11 +205,47 @@ class Wheelhouse:
             )
 
 
+def repack_installed_wheel(out: Path) -> Path:
+    """The running bpdkv installed from a wheel (no source tree): the same wheel again, from the installed files
+    its RECORD lists (byte-compiled caches and the installer's own markers left out, RECORD rewritten)."""
+    import base64
+    import zipfile
+    from importlib.metadata import distribution
+
+    dist = distribution("bpdkv")
+    site = Path(str(dist.locate_file("")))
+    skip = ("INSTALLER", "REQUESTED", "direct_url.json", "RECORD")
+    files = [
+        f
+        for f in dist.files or []
+        if "__pycache__" not in f.parts
+        and ".." not in f.parts  # console scripts: pip writes them again on install
+        and not (f.parent.name.endswith(".dist-info") and f.name in skip)
+    ]
+    info = next((f.parent for f in dist.files or [] if f.name == "WHEEL" and f.parent.name.endswith(".dist-info")), None)
+    if info is None or not files:
+        raise BootstrapError(f"cannot build bpdkv's wheel: the installed bpdkv at {site} lists no wheel files")
+    tags = [line.split(":", 1)[1].strip() for line in (site / info / "WHEEL").read_text().splitlines() if line.startswith("Tag:")]
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"bpdkv-{dist.version}-{tags[0] if tags else 'py3-none-any'}.whl"
+    record = []
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as whl:
+        for rel in files:
+            data = (site / rel).read_bytes()
+            whl.writestr(rel.as_posix(), data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{rel.as_posix()},sha256={digest},{len(data)}")
+        record.append(f"{info.as_posix()}/RECORD,,")
+        whl.writestr(f"{info.as_posix()}/RECORD", "\n".join(record) + "\n")
+    return target
+
+
 def build_bpdkv_wheel(out: Path) -> Path:
-    """A wheel of the running bpdkv: from its source tree (checkout or editable install) with pip."""
+    """A wheel of the running bpdkv: from its source tree (checkout or editable install) with pip, else repacked
+    from the installed wheel's files."""
     root = _PACKAGE_DIR.parent
     if not (root / "pyproject.toml").is_file():
-        raise BootstrapError(f"cannot build bpdkv's wheel: no source tree at {root} (install bpdkv from a checkout or use a wheelhouse)")
+        return repack_installed_wheel(out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(

@@ -87,3 +87,27 @@ def test_installed_wheel_runs_outside_checkout(wheel: Path, tmp_path: Path) -> N
         assert helped.returncode == 0 and "vLLM-CPU environment" in helped.stdout
     else:
         assert "the live demo cannot run here" in missing.stderr, missing.stderr
+
+    # Nodes get bpdkv as a wheel of the running CLI: from a wheel install that is the same wheel, repacked.
+    repacked = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import sys, pathlib; from bpdkv.deploy.bootstrap import build_bpdkv_wheel as b; print(b(pathlib.Path(sys.argv[1])))",
+            "rebuilt",
+        ],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert repacked.returncode == 0, repacked.stderr
+    again = Path(elsewhere / repacked.stdout.strip())
+    assert again.name == wheel.name
+    assert sorted(zipfile.ZipFile(again).namelist()) == sorted(zipfile.ZipFile(wheel).namelist())
+    fresh = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(fresh)], check=True, timeout=120)
+    installed = subprocess.run(
+        [str(fresh / "bin/python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(again)], timeout=300
+    )
+    assert installed.returncode == 0
