@@ -74,6 +74,10 @@ def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> di
         config["kv_connector"] = "BpdkvNixlConnector"
         config["kv_connector_module_path"] = BPDKV_CONNECTOR_MODULE
         extra["unverified_reuse"] = kv.unverified_reuse
+        if instance.role == "decode" and instance.kv_hold_budget is not None:
+            from bpdkv.vllm_plugin.hold import HOLD_BUDGET_KEY  # unset: the plugin's own default applies
+
+            extra[HOLD_BUDGET_KEY] = instance.kv_hold_budget
     return config
 
 

@@ -113,13 +113,12 @@ def gpu_capacity(
 
 
 def _hold_budget(t: Topology, inst: Instance) -> float | None:
-    # The node plugin's per-instance hold budget (a share of D's KV cache); absent until the schema has it.
-    for holder in (inst, t.kv_transfer, t.vllm):
-        for name in ("kv_hold_budget", "hold_budget"):
-            value = getattr(holder, name, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-    return None
+    """D's hold budget as the node plugin applies it: the topology's value, else the plugin's default."""
+    if inst.role != "decode" or not t.kv_transfer.bidirectional or t.kv_transfer.connector != "bpdkv":
+        return None
+    from bpdkv.vllm_plugin.hold import DEFAULT_HOLD_BUDGET  # stdlib-only module of the plugin: one default
+
+    return inst.kv_hold_budget if inst.kv_hold_budget is not None else DEFAULT_HOLD_BUDGET
 
 
 def instance_capacity(t: Topology, node: Node, inst: Instance) -> Capacity | None:
@@ -128,7 +127,7 @@ def instance_capacity(t: Topology, node: Node, inst: Instance) -> Capacity | Non
     if inst.role == "router" or size is None or not sized(size):
         return None
     args = list(t.vllm.extra_args) + list(inst.extra_args)
-    hold = _hold_budget(t, inst) if inst.role == "decode" else None
+    hold = _hold_budget(t, inst)
     if node.accelerator == "cpu":
         space = dict(inst.env).get("VLLM_CPU_KVCACHE_SPACE")
         try:

@@ -269,6 +269,18 @@ def conflicting_args(t: Topology) -> Iterator[Problem]:
 
 
 @rule
+def hold_budget(t: Topology) -> Iterator[Problem]:
+    for _, inst in t.instances():
+        if inst.kv_hold_budget is not None and inst.role != "decode":
+            yield Problem(
+                inst.path + ("kv_hold_budget",),
+                f"kv_hold_budget applies to decode instances only; remove it from {inst.role} '{inst.name}'",
+            )
+    if t.kv_transfer.connector != "bpdkv" and any(i.kv_hold_budget is not None for _, i in t.instances("decode")):
+        yield Problem(("kv_transfer", "connector"), "kv_hold_budget needs bpdkv's connector (kv_transfer.connector: bpdkv)")
+
+
+@rule
 def capacity(t: Topology) -> Iterator[Problem]:
     """Weights and one max_model_len sequence must fit each engine; the hold budget must leave room for live requests."""
     for inst, severity, message in capacity_problems(t):

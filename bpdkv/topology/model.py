@@ -140,6 +140,7 @@ class Instance:
     extra_args: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     path: PathKey  # where it is in the document, for messages
+    kv_hold_budget: float | None = None  # decode: share of its KV cache finished turns may hold (None: plugin default)
 
     @property
     def unit(self) -> str:
@@ -230,6 +231,11 @@ def _ssh(data: dict[str, Any], base: SshSpec | None = None) -> SshSpec:
 
 # Bytes of one weight when the model section gives no bytes_per_parameter ("auto": the checkpoint's bf16/fp16).
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _hold_budget(instance: dict[str, Any], kv_transfer: dict[str, Any]) -> float | None:
+    value = instance.get("kv_hold_budget", kv_transfer.get("kv_hold_budget"))
+    return None if value is None else float(value)
 
 
 def _model_size(m: dict[str, Any]) -> ModelSize | None:
@@ -364,6 +370,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
                     extra_args=tuple(str(a) for a in i.get("extra_args", [])),
                     env=_merge_env(vllm.env, node_env, _env(i.get("env"))) if role != "router" else _merge_env(_env(i.get("env"))),
                     path=("nodes", ni, "instances", ii),
+                    kv_hold_budget=_hold_budget(i, k if role == "decode" else {}),
                 )
             )
         nodes.append(

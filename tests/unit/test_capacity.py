@@ -142,3 +142,57 @@ def test_profiles_show_prints_the_figures() -> None:
     assert result.exit_code == 0
     assert "p5en.48xlarge" in result.output and "tp 8: weights 86.6 GiB/GPU" in result.output and "902,121 tokens" in result.output
     assert "p5.48xlarge: no tp up to 8 GPUs fits" in result.output
+
+
+HOLD = """apiVersion: bpdkv/v1
+name: hb
+profile: qwen3-32b
+kv_transfer: {kv_hold_budget: 0.9}
+nodes:
+  - name: a
+    host: 10.0.0.1
+    hardware: p5en.48xlarge
+    instances:
+      - {role: prefill, gpus: [0]}
+      - {role: decode, gpus: [1]}
+      - {role: decode, gpus: [2], kv_hold_budget: 0.2}
+      - {role: router}
+"""
+
+
+def test_hold_budget_warning_and_rendering(tmp_path: Path) -> None:
+    from bpdkv.render import render_topology
+
+    path = tmp_path / "hb.yaml"
+    path.write_text(HOLD)
+    result = load_topology(path, "hb.yaml")
+    # 0.9 of 259,134 tokens held leaves 25,913 for live requests: fewer than two 32,768-token sequences.
+    (warning,) = [w for w in result.warnings if "hold budget" in w.message]
+    assert warning.line == 11 and "hold budget 0.9 leaves 25,913 of 259,134 KV tokens" in warning.message
+    t = result.topology
+    caps = {i.name: instance_capacity(t, n, i) for n, i in t.instances() if i.role != "router"}
+    assert caps["decode-1"].hold_budget == 0.2 and caps["decode-1"].live_tokens == 207_307  # type: ignore[union-attr]
+    assert caps["prefill-0"].hold_budget is None  # type: ignore[union-attr]
+    scripts = {a.instance: a.content for a in render_topology(t) if a.path.endswith(".sh")}
+    assert '"bpdkv_hold_budget":0.9' in scripts["decode-0"] and '"bpdkv_hold_budget":0.2' in scripts["decode-1"]
+    assert "bpdkv_hold_budget" not in scripts["prefill-0"]
+
+
+def test_hold_budget_defaults_to_the_plugins_and_only_on_decode(tmp_path: Path) -> None:
+    from bpdkv.vllm_plugin.hold import DEFAULT_HOLD_BUDGET
+
+    path = tmp_path / "hb.yaml"
+    path.write_text(
+        HOLD.replace("kv_transfer: {kv_hold_budget: 0.9}\n", "").replace(
+            "{role: prefill, gpus: [0]}", "{role: prefill, gpus: [0], kv_hold_budget: 0.3}"
+        )
+    )
+    with pytest.raises(InvalidTopology) as info:
+        load_topology(path, "hb.yaml")
+    assert info.value.lines() == [
+        "hb.yaml:9:36: nodes[0].instances[0].kv_hold_budget: kv_hold_budget applies to decode instances only; remove it from prefill 'prefill-0'"
+    ]
+    path.write_text(HOLD.replace("kv_transfer: {kv_hold_budget: 0.9}\n", ""))
+    t = load_topology(path).topology
+    node, decode = t.instances("decode")[0]
+    assert instance_capacity(t, node, decode).hold_budget == DEFAULT_HOLD_BUDGET  # type: ignore[union-attr]
