@@ -1,0 +1,17 @@
+#!/bin/sh
+# Managed by bpdkv (topology qwen3-32b-ec2): decode instance decode-example-decode-0 on node decode-example.
+set -eu
+set -a
+. /etc/bpdkv/decode-example-decode-0.env
+set +a
+exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.openai.api_server \
+  --model Qwen/Qwen3-32B \
+  --served-model-name qwen3-32b \
+  --host 0.0.0.0 \
+  --port 8200 \
+  --dtype bfloat16 \
+  --kv-cache-dtype auto \
+  --block-size 128 \
+  --tensor-parallel-size 4 \
+  --max-model-len 32768 \
+  --kv-transfer-config '{"kv_connector":"BpdkvNixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cuda","kv_load_failure_policy":"fail","kv_connector_extra_config":{"backends":["LIBFABRIC"],"bidirectional_kv_xfer":true,"kv_lease_duration":30,"decoder_kv_blocks_ttl":480,"kv_recompute_threshold":64,"unverified_reuse":"refuse"},"kv_connector_module_path":"bpdkv.vllm_plugin.connector"}'
