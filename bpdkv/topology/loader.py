@@ -155,7 +155,7 @@ def _with_problems_of_valid_parts(
 ) -> tuple[list[Diagnostic], list[Diagnostic]]:
     """Schema errors plus the semantic problems of every part that passed the schema: all problems in one run."""
     errors, warnings = list(errors), list[Diagnostic]()
-    parts = valid_parts(merged, errors)
+    parts = valid_parts(merged, errors, [issue.path for issue in schema.issues(merged) if issue.unknown_key])
     if parts is not None and not schema.validate(parts.data, source):
         for problem in checks.run_checks(build_topology(parts.data)):
             path = parts.original(problem.path)

@@ -64,18 +64,20 @@ def _delete(data: Any, path: PathKey) -> None:
         del data[path[-1]]
 
 
-def valid_parts(merged: Any, errors: list[Diagnostic]) -> ValidParts | None:
-    """The schema-valid parts of ``merged`` given its schema/preset ``errors``; None when nothing checkable is left."""
+def valid_parts(merged: Any, errors: list[Diagnostic], unknown_keys: list[PathKey]) -> ValidParts | None:
+    """The schema-valid parts of ``merged`` given its schema/preset ``errors`` (of which ``unknown_keys`` only name a
+    key to drop); None when nothing checkable is left."""
     if not isinstance(merged, dict) or not isinstance(merged.get("nodes"), list):
         return None
     data = copy.deepcopy(merged)
     dropped: set[PathKey] = set()
     broken_nodes: set[int] = set()
     broken_instances: set[tuple[int, int]] = set()
+    for key_path in unknown_keys:
+        _delete(data, key_path)
     for error in errors:
         path = parse_path(error.path)
-        if error.message.startswith("unknown key "):
-            _delete(data, path)
+        if path in unknown_keys:
             continue
         if not path:
             for key, placeholder in _PLACEHOLDERS.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -106,9 +107,16 @@ def _leaves(error: ValidationError) -> list[ValidationError]:
     return [error]
 
 
-def validate(data: Any, source: SourceMap, definition: str | None = None) -> list[Diagnostic]:
-    """All schema problems of ``data``, each located through ``source``."""
-    out: list[Diagnostic] = []
+@dataclass(frozen=True)
+class SchemaIssue:
+    path: PathKey
+    message: str
+    unknown_key: bool  # the key is not in the schema: dropping it leaves the rest of its part valid
+
+
+def issues(data: Any, definition: str | None = None) -> list[SchemaIssue]:
+    """All schema problems of ``data``, unlocated."""
+    out: list[SchemaIssue] = []
     seen: set[tuple[PathKey, str]] = set()
     errors = sorted(_validator(definition).iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
     for top in errors:
@@ -117,16 +125,24 @@ def validate(data: Any, source: SourceMap, definition: str | None = None) -> lis
             if (path, message) in seen:
                 continue
             seen.add((path, message))
-            pos = source.locate(path)
-            out.append(
-                Diagnostic(
-                    message=message,
-                    path=format_path(path),
-                    file=pos.file if pos else None,
-                    line=pos.line if pos else None,
-                    column=pos.column if pos else None,
-                )
+            out.append(SchemaIssue(path, message, error.validator == "additionalProperties"))
+    return out
+
+
+def validate(data: Any, source: SourceMap, definition: str | None = None) -> list[Diagnostic]:
+    """All schema problems of ``data``, each located through ``source``."""
+    out: list[Diagnostic] = []
+    for issue in issues(data, definition):
+        pos = source.locate(issue.path)
+        out.append(
+            Diagnostic(
+                message=issue.message,
+                path=format_path(issue.path),
+                file=pos.file if pos else None,
+                line=pos.line if pos else None,
+                column=pos.column if pos else None,
             )
+        )
     out.sort(key=lambda d: (d.file or "", d.line or 0, d.column or 0))
     return out
 
