@@ -15,10 +15,11 @@ from typing import Any
 import boto3
 import pytest
 
+from tests.ec2_moto import moto_endpoint
 from tests.hosts.conftest import topology_doc, write_topology
 
 pytestmark = pytest.mark.hosts
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 REGION = "us-east-1"
 INSTANCE_TYPE = "c7i.8xlarge"  # a CPU preset, like the test hosts
@@ -26,13 +27,8 @@ INSTANCE_TYPE = "c7i.8xlarge"  # a CPU preset, like the test hosts
 
 @pytest.fixture(scope="module")
 def ec2_endpoint() -> Iterator[str]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture
@@ -58,7 +54,10 @@ def launch(ec2: Any, subnet: str, image: str, role: str, address: str, name: str
         SubnetId=subnet,
         PrivateIpAddress=address,
         TagSpecifications=[
-            {"ResourceType": "instance", "Tags": [{"Key": "fleet", "Value": "e2e"}, {"Key": "role", "Value": role}, {"Key": "Name", "Value": name}]}
+            {
+                "ResourceType": "instance",
+                "Tags": [{"Key": "fleet", "Value": "e2e"}, {"Key": "role", "Value": role}, {"Key": "Name", "Value": name}],
+            }
         ],
     )
     return str(answer["Instances"][0]["InstanceId"])

@@ -22,8 +22,9 @@ from bpdkv.deploy.inventory import MembershipChanged, check_membership, load_wit
 from bpdkv.deploy.inventory.ec2 import Ec2Inventory, InventoryError
 from bpdkv.errors import InvalidTopology
 from bpdkv.topology.loader import load_topology
+from tests.ec2_moto import moto_endpoint
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 REGION = "us-east-1"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION}
@@ -31,13 +32,8 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
