@@ -38,3 +38,21 @@ def test_every_docs_link_resolves() -> None:
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert broken == []
+
+
+def test_tests_named_in_the_docs_exist() -> None:
+    """docs/design.md says which test proves each guard: those tests must exist under those names
+    (`tests/x.py::name`, and `::other` for another test of the last file named)."""
+    missing = []
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        current: Path | None = None
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", page.read_text(encoding="utf-8")):
+            if path:
+                current = ROOT / path
+                if not current.is_file():
+                    missing.append(f"{page.name}: {path}")
+                    current = None
+                    continue
+            if name and current is not None and not re.search(rf"def {name}\(", current.read_text(encoding="utf-8")):
+                missing.append(f"{page.name}: {current.relative_to(ROOT)}::{name}")
+    assert missing == []
