@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu/run-h200.sh start            # install nixl + bpdkv (chunks 4, 5), render, start P, D, router
 #   bash benchmarks/gpu/run-h200.sh bench NAME ARGS  # one `bpdkv bench` sweep into $OUT/NAME.json (+ router metrics around it)
 #   bash benchmarks/gpu/run-h200.sh calibrate NAME ARGS  # `bpdkv calibrate` against P and D into $OUT/NAME.json
-#   BLOCK=16 bash benchmarks/gpu/run-h200.sh restart # stop P and D, start them again with another --block-size
+#   BLOCK=16 bash benchmarks/gpu/run-h200.sh restart # stop P, D and the router, start them fresh (another --block-size)
+#   P_ARGS/D_ARGS: extra vLLM arguments for P/D on start/restart; D_EXTRA: JSON merged into D's kv_connector_extra_config
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 PY=$(command -v python3)
@@ -12,7 +13,20 @@ cmd=$1; shift
 start_pd() {
   R=/tmp/render/gpu-box
   for inst in prefill-0 decode-0; do
-    sed "s#^\. /etc/bpdkv/#. $R/etc/bpdkv/#; s#--block-size [0-9]*#--block-size ${BLOCK:-128}#; s#/tmp/qwen3-8b#${MODEL_DIR:-/tmp/qwen3-8b}#; s#--served-model-name qwen3-8b#--served-model-name ${MODEL_NAME:-qwen3-8b}#" "$R/opt/bpdkv/bin/$inst.sh" > /tmp/$inst.sh
+    extra=${P_ARGS:-}; [ "$inst" = decode-0 ] && extra=${D_ARGS:-}
+    sed "s#^\. /etc/bpdkv/#. $R/etc/bpdkv/#; s#--block-size [0-9]*#--block-size ${BLOCK:-128} $extra#; s#/tmp/qwen3-8b#${MODEL_DIR:-/tmp/qwen3-8b}#; s#--served-model-name qwen3-8b#--served-model-name ${MODEL_NAME:-qwen3-8b}#" "$R/opt/bpdkv/bin/$inst.sh" > /tmp/$inst.sh
+    if [ "$inst" = decode-0 ] && [ -n "${D_EXTRA:-}" ]; then
+      python3 - "$D_EXTRA" <<'PY'
+import json, re, shlex, sys
+path = "/tmp/decode-0.sh"
+text = open(path).read()
+def merge(m):
+    config = json.loads(shlex.split(m.group(1))[0])
+    config["kv_connector_extra_config"].update(json.loads(sys.argv[1]))
+    return "--kv-transfer-config " + shlex.quote(json.dumps(config))
+open(path, "w").write(re.sub(r"--kv-transfer-config ('[^']*')", merge, text))
+PY
+    fi
     setsid timeout 3000 bash /tmp/$inst.sh > /tmp/$inst.log 2>&1 < /dev/null &
     echo $! > /tmp/$inst.pid
   done
@@ -22,11 +36,19 @@ start_pd() {
     sleep 2
   done
 }
+start_router() {
+  setsid timeout 3000 python3 -m bpdkv.cli router --config /tmp/render/gpu-box/etc/bpdkv/router-0.router.yaml --log-level warning > /tmp/router.log 2>&1 < /dev/null &
+  echo $! > /tmp/router.pid
+  for i in $(seq 1 20); do curl -sf localhost:8000/ready >/dev/null && break; sleep 0.5; done
+}
 if [ "$cmd" = restart ]; then
-  for inst in prefill-0 decode-0; do kill -- -"$(cat /tmp/$inst.pid)" 2>/dev/null || kill "$(cat /tmp/$inst.pid)" 2>/dev/null || true; done
+  # Fresh state for the next mode: P's and D's caches and the router's sessions all start empty.
+  for inst in prefill-0 decode-0 router; do kill -- -"$(cat /tmp/$inst.pid)" 2>/dev/null || kill "$(cat /tmp/$inst.pid)" 2>/dev/null || true; done
   for i in $(seq 1 60); do curl -sf localhost:8100/health >/dev/null || curl -sf localhost:8200/health >/dev/null || break; sleep 1; done
   sleep 5
   start_pd
+  start_router
+  grep -h "KV cache size\|Maximum concurrency" /tmp/prefill-0.log /tmp/decode-0.log | tail -n 4 || true
 elif [ "$cmd" = calibrate ]; then
   name=$1; shift
   mkdir -p "$OUT"
@@ -49,17 +71,18 @@ JSON
   python3 -m bpdkv.cli render benchmarks/gpu/h200x2-qwen3-8b-dummy.yaml --out /tmp/render
   R=/tmp/render/gpu-box
   start_pd
-  setsid timeout 3000 python3 -m bpdkv.cli router --config "$R/etc/bpdkv/router-0.router.yaml" --log-level warning > /tmp/router.log 2>&1 < /dev/null &
-  sleep 3; curl -sf localhost:8000/ready; echo
+  start_router
+  curl -sf localhost:8000/ready; echo
+  grep -h "KV cache size\|Maximum concurrency" /tmp/prefill-0.log /tmp/decode-0.log | tail -n 4 || true
   grep -h "bpdkv\|Backend\|UCX\|cuda_ipc" /tmp/prefill-0.log | head -5 || true
   mkdir -p "$OUT"; cp /tmp/render -r "$OUT/render"; tail -n 20 /tmp/prefill-0.log > "$OUT/prefill-start.log"; tail -n 20 /tmp/decode-0.log > "$OUT/decode-start.log"
 elif [ "$cmd" = bench ]; then
   name=$1; shift
   mkdir -p "$OUT"
   curl -s localhost:8000/metrics | grep "^bpdkv_router_upstream_seconds_\|^bpdkv_router_ttft_seconds_" > "$OUT/$name.router-before.txt" || true
-  python3 -m bpdkv.cli bench http://127.0.0.1:8000 --metrics http://127.0.0.1:8100 --metrics http://127.0.0.1:8200 --out "$OUT/$name.json" "$@" | tee "$OUT/$name.txt"
+  python3 -m bpdkv.cli bench http://127.0.0.1:8000 --prefill-metrics http://127.0.0.1:8100 --decode-metrics http://127.0.0.1:8200 --out "$OUT/$name.json" "$@" | tee "$OUT/$name.txt" || echo "bench exit $?" | tee -a "$OUT/$name.txt"
   curl -s localhost:8000/metrics | grep "^bpdkv_router_upstream_seconds_\|^bpdkv_router_ttft_seconds_" > "$OUT/$name.router-after.txt" || true
-  curl -s localhost:8100/metrics | grep -E "^vllm:(prompt_tokens_by_source|nixl_|bpdkv_)" > "$OUT/$name.prefill-metrics.txt" || true
-  curl -s localhost:8200/metrics | grep -E "^vllm:(prompt_tokens_by_source|nixl_|bpdkv_)" > "$OUT/$name.decode-metrics.txt" || true
+  curl -s localhost:8100/metrics | grep -E "^vllm:(prompt_tokens_by_source|nixl_|bpdkv_|num_requests|kv_cache_usage|prefix_cache)" > "$OUT/$name.prefill-metrics.txt" || true
+  curl -s localhost:8200/metrics | grep -E "^vllm:(prompt_tokens_by_source|nixl_|bpdkv_|num_requests|kv_cache_usage|prefix_cache)" > "$OUT/$name.decode-metrics.txt" || true
   tail -n 30 /tmp/prefill-0.log > "$OUT/$name.prefill.log"; tail -n 30 /tmp/decode-0.log > "$OUT/$name.decode.log"; tail -n 30 /tmp/router.log > "$OUT/$name.router.log"
 fi

@@ -23,8 +23,17 @@ def _stats(values: list[float]) -> dict[str, float | None]:
         "n": len(values),
         "median": statistics.median(values) if values else None,
         "p90": _pct(values, 0.9),
+        "p99": _pct(values, 0.99),
         "mean": statistics.fmean(values) if values else None,
     }
+
+
+def over_time(samples: list[Any], window_s: float) -> list[dict[str, Any]]:
+    """TTFT per window of request start times (sustained mode)."""
+    windows: dict[int, list[float]] = {}
+    for s in samples:
+        windows.setdefault(int(s.started // window_s), []).append(s.ttft or 0.0)
+    return [{"t": (w + 0.5) * window_s, **_stats(v)} for w, v in sorted(windows.items())]
 
 
 def history_bucket(tokens: int, width: int = 2048) -> str:
@@ -53,6 +62,10 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "ttft_by_turn": {str(t): _stats(v) for t, v in sorted(by_turn.items())},
         "ttft_by_history": {k: _stats(v) for k, v in sorted(by_hist.items(), key=lambda kv: int(kv[0].split("-")[0]))},
         "servers": result.servers,
+        "fresh_start": asdict(result.fresh) if result.fresh else None,
+        "ttft_over_time": over_time(ok, max(result.wall_s / 20, 10.0)) if result.timeline else [],
+        "d_timeline": result.timeline,
+        "d_waiting_max": max((p["waiting"] for p in result.timeline), default=None),
         "samples": [asdict(s) for s in result.samples],
     }
 
@@ -70,6 +83,20 @@ def table(summary: dict[str, Any]) -> str:
     lines.append("history        n   TTFT p50 ms   TTFT p90 ms")
     for bucket, s in summary["ttft_by_history"].items():
         lines.append(f"{bucket:>12} {s['n']:>3}   {ms(s['median'])}      {ms(s['p90'])}")
+    fresh = summary.get("fresh_start")
+    if fresh:
+        verdict = "fresh" if fresh["fresh"] else "NOT FRESH: P already held this mode's prompts"
+        lines.append(f"turn 1: P cache hits {fresh['hit_tokens']:g} tokens (a fresh P: <= {fresh['allowed_tokens']:g}) -> {verdict}")
+    if summary.get("ttft_over_time"):
+        lines.append("time s    n   TTFT p50 ms   TTFT p99 ms")
+        for w in summary["ttft_over_time"]:
+            lines.append(f"{w['t']:>6.0f} {w['n']:>4}   {ms(w['median'])}      {ms(w['p99'])}")
+    if summary.get("d_timeline"):
+        tl = summary["d_timeline"]
+        lines.append(
+            f"D: KV usage max {max(p['kv_usage'] for p in tl):.0%} (held max {max(p['held_share'] for p in tl):.0%}), "
+            f"waiting max {summary['d_waiting_max']:g}, samples {len(tl)}"
+        )
     for url, counters in summary["servers"].items():
         shown = ", ".join(f"{k}={v:g}" for k, v in counters.items() if v)
         lines.append(f"server {url}: {shown or 'no counter moved'}")
@@ -97,6 +124,32 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_over_time(summaries: list[dict[str, Any]], path: Path) -> None:
+    """Sustained mode: TTFT p50/p99, D's KV usage (live/held) and D's waiting count over time, per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ttft, kv, waiting) = plt.subplots(1, 3, figsize=(15, 4))
+    for s in summaries:
+        w = s["ttft_over_time"]
+        line = ttft.plot([x["t"] for x in w], [1000 * (x["median"] or 0) for x in w], marker="o", label=f"{s['label']} p50")[0]
+        ttft.plot([x["t"] for x in w], [1000 * (x["p99"] or 0) for x in w], ls="--", color=line.get_color(), label=f"{s['label']} p99")
+        tl = s["d_timeline"]
+        kv.plot([p["t"] for p in tl], [100 * p["live_share"] for p in tl], color=line.get_color(), label=f"{s['label']} live")
+        kv.plot([p["t"] for p in tl], [100 * p["held_share"] for p in tl], ls=":", color=line.get_color(), label=f"{s['label']} held")
+        waiting.plot([p["t"] for p in tl], [p["waiting"] for p in tl], color=line.get_color(), label=s["label"])
+    ttft.set(xlabel="time (s)", ylabel="TTFT (ms)", title="TTFT p50 / p99 over time")
+    kv.set(xlabel="time (s)", ylabel="% of D's KV cache", title="D KV usage: live / held")
+    waiting.set(xlabel="time (s)", ylabel="requests", title="D waiting requests")
+    for ax in (ttft, kv, waiting):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Ratios b/a of median TTFT, overall, per turn and per history bucket (< 1: b is faster)."""
 
@@ -109,6 +162,8 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "ttft_median_ratio": ratio(a["ttft"]["median"], b["ttft"]["median"]),
         "ttft_mean_ratio": ratio(a["ttft"]["mean"], b["ttft"]["mean"]),
         "ttft_turns_ge_2_median_ratio": ratio(a["ttft_turns_ge_2"]["median"], b["ttft_turns_ge_2"]["median"]),
+        "ttft_turns_ge_2_mean_ratio": ratio(a["ttft_turns_ge_2"]["mean"], b["ttft_turns_ge_2"]["mean"]),
+        "ttft_turns_ge_2_p99_ratio": ratio(a["ttft_turns_ge_2"].get("p99"), b["ttft_turns_ge_2"].get("p99")),
         "by_turn": {t: ratio(a["ttft_by_turn"].get(t, {}).get("median"), s["median"]) for t, s in b["ttft_by_turn"].items()},
         "by_history": {k: ratio(a["ttft_by_history"].get(k, {}).get("median"), s["median"]) for k, s in b["ttft_by_history"].items()},
     }

@@ -23,6 +23,16 @@ SERVER_COUNTERS = {
     "nixl_expired": ("vllm:nixl_num_kv_expired_reqs_total", {}),
     "bpdkv_verified_tokens": ("vllm:bpdkv_verified_tokens_total", {}),
     "bpdkv_mismatch_cuts": ("vllm:bpdkv_mismatch_cuts_total", {}),
+    "bpdkv_expiring_refused": ("vllm:bpdkv_expiring_refused_total", {}),
+    **{f"hold_released_{r}": (f"vllm:bpdkv_hold_released_{r}_total", {}) for r in ("pulled", "budget", "pressure", "ttl", "not_offered")},
+}
+# Gauges sampled over time on D (sustained mode): KV usage split into held (finished, waiting for a pull) and live.
+SERVER_GAUGES = {
+    "kv_usage": "vllm:kv_cache_usage_perc",
+    "held_blocks": "vllm:bpdkv_held_blocks",
+    "kv_blocks_total": "vllm:bpdkv_kv_blocks_total",
+    "waiting": "vllm:num_requests_waiting",
+    "running": "vllm:num_requests_running",
 }
 
 
@@ -36,6 +46,16 @@ class Sample:
     e2e: float
     output_tokens: int
     error: str | None = None
+    started: float = 0.0  # seconds since the run began
+
+
+@dataclass(frozen=True)
+class FreshState:
+    """Did this mode start from the same state as the others? P's own cache hits during turn 1."""
+
+    hit_tokens: float  # P's local prefix-cache hits while every conversation sent its first turn
+    allowed_tokens: float  # what a fresh P hits at most: the shared system prompt, once per conversation after the first
+    fresh: bool
 
 
 @dataclass
@@ -45,6 +65,21 @@ class RunResult:
     samples: list[Sample] = field(default_factory=list)
     servers: dict[str, dict[str, float]] = field(default_factory=dict)  # url → counter deltas
     wall_s: float = 0.0
+    fresh: FreshState | None = None
+    timeline: list[dict[str, float]] = field(default_factory=list)  # sustained mode: D's gauges over time
+
+
+@dataclass(frozen=True)
+class Servers:
+    """Whose /metrics to read: P's (turn-1 cache check) and D's (KV usage over time); `other` only for counters."""
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    other: tuple[str, ...] = ()
+
+    @property
+    def all(self) -> list[str]:
+        return list(dict.fromkeys(self.prefill + self.decode + self.other))
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
@@ -65,7 +100,9 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    return {key: metric_value(text, name, labels) for key, (name, labels) in SERVER_COUNTERS.items()}
+    out = {key: metric_value(text, name, labels) for key, (name, labels) in SERVER_COUNTERS.items()}
+    out.update({key: metric_value(text, name) for key, name in SERVER_GAUGES.items()})
+    return out
 
 
 async def scrape(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict[str, float]]:
@@ -77,6 +114,37 @@ async def scrape(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, d
         except (aiohttp.ClientError, asyncio.TimeoutError):
             out[url] = {}
     return out
+
+
+def fresh_state(
+    spec: WorkloadSpec, before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], prefill: list[str]
+) -> FreshState:
+    hits = sum(after.get(u, {}).get("local_cache_hit_tokens", 0.0) - before.get(u, {}).get("local_cache_hit_tokens", 0.0) for u in prefill)
+    # A fresh P computes each conversation's first prompt but may reuse the shared system prompt (whole blocks of it)
+    # from the conversations before. Chat: system_tokens counts words; allow for their tokens and the chat template.
+    shared = spec.system_tokens if spec.mode == "tokens" else 2 * spec.system_tokens + 64
+    allowed = float(max(spec.conversations - 1, 0) * shared)
+    return FreshState(hits, allowed, hits <= allowed)
+
+
+def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], urls: list[str]) -> dict[str, dict[str, float]]:
+    return {u: {k: after.get(u, {}).get(k, 0.0) - before.get(u, {}).get(k, 0.0) for k in SERVER_COUNTERS} for u in urls}
+
+
+def d_gauges(scraped: dict[str, dict[str, float]], decode: list[str]) -> dict[str, float]:
+    """D's KV usage split: held = finished requests' blocks waiting for a pull, live = the rest of what is used."""
+    total = sum(scraped.get(u, {}).get("kv_blocks_total", 0.0) for u in decode)
+    held = sum(scraped.get(u, {}).get("held_blocks", 0.0) for u in decode)
+    usage = sum(scraped.get(u, {}).get("kv_usage", 0.0) for u in decode) / max(len(decode), 1)
+    held_share = held / total if total else 0.0
+    return {
+        "kv_usage": usage,
+        "held_share": held_share,
+        "live_share": max(usage - held_share, 0.0),
+        "held_blocks": held,
+        "waiting": sum(scraped.get(u, {}).get("waiting", 0.0) for u in decode),
+        "running": sum(scraped.get(u, {}).get("running", 0.0) for u in decode),
+    }
 
 
 async def one_request(
@@ -122,6 +190,43 @@ async def one_request(
     return Sample(-1, -1, 0, first, itl, e2e, max(len(stamps), len(token_ids))), "".join(text), token_ids
 
 
+async def conversation_turns(
+    session: aiohttp.ClientSession,
+    url: str,
+    conv: Conversation,
+    turns: range,
+    result: RunResult,
+    headers: dict[str, str],
+    timeout: float,
+    t0: float,
+    progress: Callable[[int], None] | None,
+    think: Callable[[], float] | None = None,
+    deadline: float | None = None,
+) -> bool:
+    """Send a conversation's turns in order; False when one failed (the conversation stops there)."""
+    for turn in turns:
+        if deadline is not None and time.perf_counter() >= deadline:
+            return True
+        body = conv.next_request(turn)
+        history = conv.history_tokens
+        started = time.perf_counter() - t0
+        try:
+            sample, text, ids = await one_request(session, url, body, headers, timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            sample, text, ids = Sample(-1, -1, 0, None, None, 0.0, 0, type(exc).__name__), "", []
+        sample.conversation, sample.turn, sample.history_tokens, sample.started = conv.index, turn, history, started
+        result.samples.append(sample)
+        if progress:
+            progress(1)
+        if sample.error:
+            return False
+        conv.record_answer(text, ids)
+        pause = think() if think else conv.spec.think_time
+        if pause and turn + 1 < turns.stop:
+            await asyncio.sleep(pause)
+    return True
+
+
 async def run_workload(
     url: str,
     spec: WorkloadSpec,
@@ -130,44 +235,43 @@ async def run_workload(
     metrics_urls: list[str] | None = None,
     timeout: float = 600.0,
     progress: Callable[[int], None] | None = None,
+    servers: Servers | None = None,
 ) -> RunResult:
+    """Every conversation's turns; with P's metrics URLs, turn 1 of all conversations goes first and P's cache hits
+    during it are checked (a mode that finds its prompts already cached on P did not start fresh)."""
     url = url.rstrip("/")
+    servers = servers or Servers(other=tuple(metrics_urls or ()))
+    urls = servers.all
     result = RunResult(spec, label)
     conversations = [Conversation(spec, i) for i in range(spec.conversations)]
-    queue: asyncio.Queue[Conversation] = asyncio.Queue()
-    for conv in conversations:
-        queue.put_nowait(conv)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        before = await scrape(session, metrics_urls or [])
+        before = await scrape(session, urls)
         start = time.perf_counter()
+        gate = asyncio.Semaphore(max(1, spec.concurrency))
+        alive: dict[int, bool] = {}
+        done_at: dict[int, float] = {}
 
-        async def worker() -> None:
-            while True:
-                try:
-                    conv = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                for turn in range(spec.turns):
-                    body = conv.next_request(turn)
-                    history = conv.history_tokens
-                    try:
-                        sample, text, ids = await one_request(session, url, body, headers or {}, timeout)
-                    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                        sample, text, ids = Sample(-1, -1, 0, None, None, 0.0, 0, type(exc).__name__), "", []
-                    sample.conversation, sample.turn, sample.history_tokens = conv.index, turn, history
-                    result.samples.append(sample)
-                    if progress:
-                        progress(1)
-                    if sample.error:
-                        break
-                    conv.record_answer(text, ids)
-                    if spec.think_time:
-                        await asyncio.sleep(spec.think_time)
+        async def run(conv: Conversation, turns: range, delay: float = 0.0) -> None:
+            if not alive.get(conv.index, True):
+                return
+            await asyncio.sleep(delay)
+            async with gate:
+                alive[conv.index] = await conversation_turns(session, url, conv, turns, result, headers or {}, timeout, start, progress)
+            done_at[conv.index] = time.perf_counter()
 
-        await asyncio.gather(*(worker() for _ in range(max(1, spec.concurrency))))
+        first_turn_only = bool(servers.prefill) and spec.turns > 1
+        if first_turn_only:
+            await asyncio.gather(*(run(c, range(0, 1)) for c in conversations))
+            result.fresh = fresh_state(spec, before, await scrape(session, list(servers.prefill)), list(servers.prefill))
+            # Each conversation goes on as late after the others as its first turn ended: the check must not make every
+            # conversation send turn 2 at the same instant (that would pile all pulls onto one moment).
+            first_done = min(done_at.values(), default=0.0)
+            delays = {c.index: done_at.get(c.index, first_done) - first_done for c in conversations}
+        else:
+            delays = {}
+        await asyncio.gather(*(run(c, range(1 if first_turn_only else 0, spec.turns), delays.get(c.index, 0.0)) for c in conversations))
         result.wall_s = time.perf_counter() - start
-        after = await scrape(session, metrics_urls or [])
-    for u in metrics_urls or []:
-        result.servers[u] = {k: after.get(u, {}).get(k, 0.0) - before.get(u, {}).get(k, 0.0) for k in SERVER_COUNTERS}
+        after = await scrape(session, urls)
+    result.servers = counter_deltas(before, after, urls)
     return result

@@ -23,6 +23,7 @@ def register() -> None:
 
     streaming.install()
     _tolerant_stats()
+    _bind_cache_manager()
 
 
 def _tolerant_stats() -> None:
@@ -40,3 +41,28 @@ def _tolerant_stats() -> None:
 
     StatsBase.aggregate = aggregate
     StatsBase._bpdkv_tolerant = True
+
+
+def _bind_cache_manager() -> None:
+    """vLLM 0.32 hands connectors the scheduler's KV cache manager; 0.24 does not. The hold budget needs its free-block
+    count to release held blocks before a live request waits, so hand it over after the scheduler is built."""
+    import importlib
+
+    try:
+        module = importlib.import_module("vllm.v1.core.sched.scheduler")
+    except Exception:  # noqa: BLE001 - a process without the engine (e.g. a tool): nothing to bind
+        return
+    scheduler_cls = getattr(module, "Scheduler", None)
+    if scheduler_cls is None or getattr(scheduler_cls, "_bpdkv_binds", False):
+        return
+    original = scheduler_cls.__init__
+
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+        connector = getattr(self, "connector", None)
+        manager = getattr(self, "kv_cache_manager", None)
+        if manager is not None and getattr(connector, "_bpdkv_unbound", False):
+            connector.bind_kv_cache_manager(manager)
+
+    scheduler_cls.__init__ = __init__
+    scheduler_cls._bpdkv_binds = True

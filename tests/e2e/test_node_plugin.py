@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bpdkv.bench.runner import metric_value
 from tests.e2e.pd_client import QUESTIONS, TEMPLATE, metric, sse, turn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -43,6 +44,29 @@ def reference_chat(url: str, turns: int = 4) -> list[str]:
         text = data["choices"][0]["message"]["content"]
         out.append(text)
         messages.append({"role": "assistant", "content": text})
+    return out
+
+
+# The hold-budget D: 40 blocks of 32 tokens in all (one 1024-token sequence needs 32), 90 % of them for holds.
+# Six conversations of ~230 tokens (8 blocks held each) are more than it can hold.
+HELD_CONVERSATIONS = 6
+HELD_TURNS = 2
+HELD_OUTPUT = 16
+HOLD_D_BLOCKS = 40
+HOLD_SHARE = 0.9
+BIG_PROMPT = [(i * 53) % 1900 + 10 for i in range(700)]  # 22 blocks: more than the free ones while D holds its budget
+
+
+def held_prompt(conversation: int) -> list[int]:
+    return [(i * 31 + conversation * 97) % 1900 + 10 for i in range(160)]
+
+
+def reference_token_conversation(url: str, conversation: int) -> list[list[int]]:
+    prompt, out = held_prompt(conversation), []
+    for turn_no in range(HELD_TURNS):
+        new = completion_tokens(url, prompt, max_tokens=HELD_OUTPUT)
+        out.append(new)
+        prompt = prompt + new + [20 + turn_no] * 8
     return out
 
 
@@ -89,6 +113,8 @@ def reference(server_factory: Any) -> dict[str, Any]:
         tokens_out.append(new)
         prompt = prompt + new + [11, 12, 13, 14, 15, 16, 17, 18]
     out["tokens"] = tokens_out
+    out["held"] = [reference_token_conversation(ref.url, c) for c in range(HELD_CONVERSATIONS)]
+    out["big"] = completion_tokens(ref.url, BIG_PROMPT, max_tokens=8)
     MEASURED["rss_mb_reference"] = round(ref.rss_mb())
     ref.stop()
     return out
@@ -210,6 +236,101 @@ def test_expiring_blocks_computed_locally(server_factory: Any, pd: Any) -> None:
         assert metric(p.url, "vllm:bpdkv_expiring_refused_total") == refused + 1
     finally:
         short_d.stop()
+
+
+def token_turn(
+    p_url: str, d_url: str, prompt: list[int], d_params: dict[str, Any] | None, max_tokens: int, d_extra: dict[str, Any] | None = None
+) -> tuple[list[int], dict[str, Any]]:
+    """One token-id turn, P's cache salted (every turn pulls what D verified); d_extra goes into D's kv_transfer_params."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params=d_params or dict(TEMPLATE), cache_salt=f"s-{uuid.uuid4()}")
+    p_resp = httpx.post(p_url + COMPLETIONS, json=p_body, timeout=120)
+    p_resp.raise_for_status()
+    p_params = dict(p_resp.json()["kv_transfer_params"], **(d_extra or {}))
+    d_resp = httpx.post(d_url + COMPLETIONS, json=dict(body, kv_transfer_params=p_params), timeout=120)
+    d_resp.raise_for_status()
+    data = d_resp.json()
+    return list(data["choices"][0]["token_ids"]), data.get("kv_transfer_params") or {}
+
+
+def d_hold_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text  # one scrape: a loaded 2-core machine answers slowly
+    names = ("held_blocks", "held_tokens", "hold_budget_blocks", "kv_blocks_total")
+    out = {n: metric_value(text, f"vllm:bpdkv_{n}") for n in names}
+    for reason in ("pulled", "budget", "pressure", "ttl", "not_offered"):
+        out[reason] = metric_value(text, f"vllm:bpdkv_hold_released_{reason}_total")
+    out["waiting"] = metric_value(text, "vllm:num_requests_waiting")
+    return out
+
+
+@pytest.fixture(scope="module")
+def hold_d(server_factory: Any, pd: Any) -> Any:
+    """A D with a tiny KV cache and a hold budget, next to the module's P (three servers with the module's D)."""
+    (d,) = server_factory(
+        ("decode-hold", "kv_consumer"), extra={"bpdkv_hold_budget": HOLD_SHARE}, args=("--num-gpu-blocks-override", str(HOLD_D_BLOCKS))
+    )
+    yield d
+    d.stop()
+
+
+def test_hold_budget_under_more_conversations_than_d_can_hold(pd: Any, hold_d: Any, reference: dict[str, Any]) -> None:
+    """Every turn equals the reference, D never holds more than its budget, releases are counted and announced."""
+    p, _ = pd
+    prompts = [held_prompt(c) for c in range(HELD_CONVERSATIONS)]
+    offers: list[dict[str, Any] | None] = [None] * HELD_CONVERSATIONS
+    released: set[str] = set()
+    peaks = []
+    start = d_hold_metrics(hold_d.url)
+    pulled_before = metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    for turn_no in range(HELD_TURNS):
+        for c in range(HELD_CONVERSATIONS):  # round robin: D finishes six conversations before any comes back
+            offer = offers[c]
+            if offer is not None and offer.get("remote_request_id") in released:
+                offer = None  # what the router does with D's announcements: never offer released blocks
+            new, params = token_turn(p.url, hold_d.url, prompts[c], offer, HELD_OUTPUT)
+            assert new == reference["held"][c][turn_no], f"conversation {c} turn {turn_no + 1}"
+            released.update(params.get("bpdkv_released_request_ids") or [])
+            offers[c] = params
+            prompts[c] = prompts[c] + new + [20 + turn_no] * 8
+            now = d_hold_metrics(hold_d.url)
+            peaks.append(now["held_blocks"])
+            assert now["held_blocks"] <= now["hold_budget_blocks"], now
+            assert now["waiting"] == 0, now
+    end = d_hold_metrics(hold_d.url)
+    delta = {k: end[k] - start[k] for k in ("pulled", "budget", "pressure", "ttl", "not_offered")}
+    MEASURED["hold_budget"] = {"budget_blocks": end["hold_budget_blocks"], "total_blocks": end["kv_blocks_total"], "peak_held": max(peaks)}
+    MEASURED["hold_releases"] = delta
+    assert end["hold_budget_blocks"] == int(HOLD_SHARE * HOLD_D_BLOCKS) and end["kv_blocks_total"] == HOLD_D_BLOCKS
+    assert delta["budget"] + delta["pressure"] > 0 and delta["pulled"] > 0, delta
+    assert released, "D announced no releases"
+    assert metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > pulled_before
+
+
+def test_live_request_does_not_wait_for_held_blocks(pd: Any, hold_d: Any, reference: dict[str, Any]) -> None:
+    """D holds (nearly) its budget; a request needing more blocks than are free runs at once (held blocks go)."""
+    p, _ = pd
+    for c in range(HELD_CONVERSATIONS):  # fill the holds again with fresh one-turn conversations
+        token_turn(p.url, hold_d.url, held_prompt(c + 10), None, 4)
+    before = d_hold_metrics(hold_d.url)
+    assert before["held_blocks"] + len(BIG_PROMPT) // 32 + 1 > HOLD_D_BLOCKS, before  # it cannot fit beside the holds
+    start = time.monotonic()
+    new, _ = token_turn(p.url, hold_d.url, BIG_PROMPT, None, 8)
+    elapsed = time.monotonic() - start
+    after = d_hold_metrics(hold_d.url)
+    MEASURED["big_request_s"] = round(elapsed, 2)
+    assert new == reference["big"]
+    assert after["pressure"] > before["pressure"], (before, after)
+    assert elapsed < 30, f"the live request took {elapsed:.1f} s: it waited for held blocks (TTL 120 s)"
+
+
+def test_request_not_offered_again_is_not_held(pd: Any, hold_d: Any) -> None:
+    p, _ = pd
+    before = d_hold_metrics(hold_d.url)
+    _, params = token_turn(p.url, hold_d.url, held_prompt(30), None, 4, d_extra={"bpdkv_hold": False})
+    after = d_hold_metrics(hold_d.url)
+    assert not params.get("remote_block_ids"), params  # nothing to offer
+    assert after["not_offered"] == before["not_offered"] + 1
+    assert after["held_blocks"] <= before["held_blocks"]
 
 
 def test_upstream_connector_still_reuses_wrong_kv(server_factory: Any, pd: Any, reference: dict[str, Any]) -> None:

@@ -65,6 +65,6 @@ def test_bench_runs_modes_and_reports(fleet_factory, tmp_path: Path) -> None:  #
     # P emulates 0.2 ms per computed token: pulling history instead of computing it must show in TTFT
     assert on["ttft_turns_ge_2"]["median"] < off["ttft_turns_ge_2"]["median"]
     assert png.stat().st_size > 1000
-    assert "TTFT median reuse on/off" in result.output
+    assert "reuse off/on (same run)" in result.output
     cmp = CliRunner().invoke(main, ["bench", "compare", str(out), str(out)])
     assert cmp.exit_code == 0 and json.loads(cmp.output)[0]["ttft_median_ratio"] == 1.0
