@@ -704,8 +704,14 @@ def calibrate(
     help="off: a fresh cache_salt per P request (emulates eviction on P).",
 )
 @click.option("--metrics", "metrics_urls", multiple=True, help="P/D server URLs whose /metrics to diff (default: from a topology TARGET).")
+@click.option("--prefill-metrics", "prefill_urls", multiple=True, help="P server URLs: their turn-1 cache hits prove a fresh start.")
+@click.option("--decode-metrics", "decode_urls", multiple=True, help="D server URLs: KV usage (live/held) and waiting over time.")
+@click.option("--duration", type=click.FloatRange(0, min_open=True), default=None, help="Sustained mode: minutes of load per mode.")
+@click.option("--think-median", default=2.0, show_default=True, type=click.FloatRange(0), help="Sustained: median tool latency (s).")
+@click.option("--think-sigma", default=1.0, show_default=True, type=click.FloatRange(0), help="Sustained: log-normal sigma of it.")
+@click.option("--allow-warm", is_flag=True, help="Report modes whose prompts P already held instead of failing.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot (TTFT by turn/history).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot (by turn/history, or over time).")
 @user_errors
 def bench(
     target: str,
@@ -725,16 +731,24 @@ def bench(
     reuse_modes: str,
     p_cache_modes: str,
     metrics_urls: tuple[str, ...],
+    prefill_urls: tuple[str, ...],
+    decode_urls: tuple[str, ...],
+    duration: float | None,
+    think_median: float,
+    think_sigma: float,
+    allow_warm: bool,
     out_file: Path | None,
     plot_file: Path | None,
 ) -> None:
-    """Multi-turn benchmark through a router: `bpdkv bench URL|TOPOLOGY [...]`, or `bpdkv bench compare A.json B.json`."""
-    import asyncio
+    """Multi-turn benchmark through a router: `bpdkv bench URL|TOPOLOGY [...]`, or `bpdkv bench compare A.json B.json`.
 
+    Every mode draws its own prompts and must start fresh (P's turn-1 cache hits, with --prefill-metrics or a topology).
+    --duration M: sustained agentic load instead (N conversations, tool-latency think time, M minutes per mode)."""
     from rich.progress import Progress
 
-    from bpdkv.bench import report
-    from bpdkv.bench.runner import run_workload
+    from bpdkv.bench import modes, report
+    from bpdkv.bench.runner import Servers
+    from bpdkv.bench.sustained import SustainedSpec, ToolLatency
     from bpdkv.bench.workload import WorkloadSpec
     from bpdkv.errors import UsageError
 
@@ -746,7 +760,7 @@ def bench(
         click.echo(json.dumps([report.compare(x, y) for x, y in pairs], indent=2))
         return
     url = target
-    metrics = list(metrics_urls)
+    servers = Servers(tuple(prefill_urls), tuple(decode_urls), tuple(metrics_urls))
     if not target.startswith(("http://", "https://")):
         validated = _load(target)
         topo = validated.topology
@@ -755,7 +769,10 @@ def bench(
             raise UsageError(f"{target}: no router instance")
         node, inst = routers[0]
         url = f"http://{node.host}:{inst.port}"
-        metrics = metrics or [f"http://{n.data_plane_address}:{i.port}" for n, i in topo.instances() if i.role != "router"]
+        if not servers.all:
+            servers = Servers(
+                *(tuple(f"http://{n.data_plane_address}:{i.port}" for n, i in topo.instances(role)) for role in ("prefill", "decode"))
+            )
     spec = WorkloadSpec(
         conversations,
         turns,
@@ -770,42 +787,22 @@ def bench(
         seed,
         model=model,
     )
-    combos = [
-        (r, c)
-        for r in (["on", "off"] if reuse_modes == "both" else [reuse_modes])
-        for c in (["on", "off"] if p_cache_modes == "both" else [p_cache_modes])
-    ]
-    summaries = []
+    sustained = None if duration is None else SustainedSpec(duration * 60, ToolLatency(think_median, think_sigma))
     with Progress(transient=True) as bar:
-        for reuse, p_cache in combos:
-            label = f"reuse-{reuse}/prefill-cache-{p_cache}"
-            task = bar.add_task(label, total=conversations * turns)
-            headers: dict[str, str] = {}
-            if reuse == "off":
-                headers["X-Bpdkv-Reuse"] = "off"
-            if p_cache == "off":
-                headers["X-Bpdkv-Prefill-Cache"] = "off"
 
-            def advance(n: int, task_id: Any = task) -> None:
-                bar.advance(task_id, n)
+        def progress(label: str, total: int) -> Any:
+            task = bar.add_task(label, total=None if sustained else total)
+            return lambda n: bar.advance(task, n)
 
-            result = asyncio.run(run_workload(url, spec, label, headers, metrics, progress=advance))
-            summaries.append(report.summarize(result))
-    for summary in summaries:
+        run = modes.run_modes(url, spec, modes.modes(reuse_modes, p_cache_modes), servers, sustained, progress)
+    for summary in run.summaries:
         click.echo(report.table(summary))
-    for p_cache in ("on", "off"):
-        on = next((s for s in summaries if s["label"] == f"reuse-on/prefill-cache-{p_cache}"), None)
-        off = next((s for s in summaries if s["label"] == f"reuse-off/prefill-cache-{p_cache}"), None)
-        if on and off:
-            ratio = report.compare(off, on)
-            click.echo(
-                f"prefill cache {p_cache}: TTFT median reuse on/off = {ratio['ttft_median_ratio']}, turns >= 2: {ratio['ttft_turns_ge_2_median_ratio']}"
-            )
-    if out_file:
-        out_file.write_text(json.dumps({"target": url, "runs": summaries}, indent=2) + "\n")
-    if plot_file:
-        report.plot(summaries, plot_file)
-    if any(s["errors"] for s in summaries):
+    for line in run.ratio_lines():
+        click.echo(line)
+    run.write(out_file, plot_file)
+    if run.not_fresh:
+        (click.echo if allow_warm else _red)(f"not a fresh start (P already held their prompts): {', '.join(run.not_fresh)}")
+    if run.errors or (run.not_fresh and not allow_warm):
         sys.exit(1)
 
 
