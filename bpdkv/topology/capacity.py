@@ -141,12 +141,22 @@ def instance_capacity(t: Topology, node: Node, inst: Instance) -> Capacity | Non
         return Capacity("cpu", inst.tp, space_gib, 1.0, 0.0, 0.0, space_gib, per_token, tokens, t.model.max_model_len, hold)
     if node.gpu_memory_gib is None:
         return None
-    raw = option_value(args, "gpu_memory_utilization")
-    try:
-        utilization = float(raw) if raw is not None else DEFAULT_GPU_MEMORY_UTILIZATION
-    except ValueError:
-        utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+    utilization, _ = gpu_memory_utilization(args)
     return gpu_capacity(t.model, size, node.gpu_memory_gib, inst.tp, inst.kv_cache_dtype, utilization, hold)
+
+
+def gpu_memory_utilization(args: list[str]) -> tuple[float, str | None]:
+    """--gpu-memory-utilization from extra_args (any spelling), vLLM's default without it; and what is wrong with it."""
+    raw = option_value(args, "gpu_memory_utilization")
+    if raw is None:
+        return DEFAULT_GPU_MEMORY_UTILIZATION, None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        return DEFAULT_GPU_MEMORY_UTILIZATION, f"--gpu-memory-utilization {raw!r} must be a share of GPU memory in (0, 1]"
+    return value, None
 
 
 def fits(cap: Capacity) -> bool:
@@ -186,6 +196,11 @@ def describe(cap: Capacity) -> str:
 def capacity_problems(t: Topology) -> Iterator[tuple[Instance, str, str]]:
     """(instance, severity, message) for weights or one sequence that do not fit, and hold budgets that crowd out live requests."""
     for node, inst in t.instances():
+        if inst.role != "router":
+            _, wrong = gpu_memory_utilization(list(t.vllm.extra_args) + list(inst.extra_args))
+            if wrong:
+                yield inst, "error", f"{inst.role} '{inst.name}': {wrong}"
+                continue
         cap = instance_capacity(t, node, inst)
         if cap is None:
             continue

@@ -196,3 +196,18 @@ def test_hold_budget_defaults_to_the_plugins_and_only_on_decode(tmp_path: Path) 
     t = load_topology(path).topology
     node, decode = t.instances("decode")[0]
     assert instance_capacity(t, node, decode).hold_budget == DEFAULT_HOLD_BUDGET  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "lots"])
+def test_bad_gpu_memory_utilization_refused(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "q.yaml"
+    path.write_text(
+        GLM_TP1.replace("glm-5-fp8", "qwen3-8b").replace(
+            "{role: decode, gpus: [1], tp: 1}", f'{{role: decode, gpus: [1], extra_args: ["--gpu-memory-utilization={value}"]}}'
+        )
+    )
+    with pytest.raises(InvalidTopology) as info:
+        load_topology(path, "q.yaml")
+    assert info.value.lines() == [
+        f"q.yaml:10:9: nodes[0].instances[1]: decode 'decode-0': --gpu-memory-utilization '{value}' must be a share of GPU memory in (0, 1]"
+    ]
