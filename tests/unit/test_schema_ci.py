@@ -137,3 +137,9 @@ def test_pre_commit_hook_with_try_repo(tmp_path: Path) -> None:
     assert good.returncode == 0, good.stdout + good.stderr
     assert "Passed" in good.stdout
     print(f"pre-commit try-repo: {time.monotonic() - start:.0f} s including the hook environment's install")
+
+
+def test_docs_annotated_example_matches_the_schema() -> None:
+    text = (ROOT / "docs" / "topology.md").read_text()
+    block = text.split("## Full annotated example\n```yaml\n", 1)[1].split("```", 1)[0]
+    assert list(_editor_validator().iter_errors(yaml.safe_load(block))) == []
