@@ -90,7 +90,7 @@ def scaffold_topology(req: InitRequest) -> str:
         MODELINE,
         f"# Editors validate while you type against {SCHEMA_FILE} beside this file (`bpdkv schema > {SCHEMA_FILE}`).",
         f"# bpdkv topology scaffolded by `bpdkv init` from model profile '{req.model}' and hardware preset '{req.hardware}'.",
-        "# Reference: docs/topology.md. Validate with `bpdkv validate`, preview with `bpdkv render`.",
+        "# Every key is described in `bpdkv schema` (and docs/topology.md of the sdist). Check: `bpdkv validate`; preview: `bpdkv render`.",
         "apiVersion: bpdkv/v1",
         f"name: {req.name}",
         f"profile: {req.model}                # {model.get('description', '')}",
