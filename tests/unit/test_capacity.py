@@ -66,6 +66,14 @@ def test_mla_glm5_fp8_on_h200() -> None:
     assert smallest_fitting_tp(model, H100, 8) is None  # 744 GB of FP8 weights exceed 8 x 69.64 GiB
 
 
+def test_mla_deepseek_r1_bf16_kv_on_h200() -> None:
+    model = _model("deepseek-r1")
+    cap = gpu_capacity(model, model.size, H200, tp=8, kv_cache_dtype="auto")  # type: ignore[arg-type]
+    # FP8 weights 671e9 x 1 B / 8 = 78.11 GiB; KV 124.36 - 78.11 = 46.25 GiB; kv_cache_dtype auto = bf16 (2 B):
+    # 61 layers x (512 + 64) x 2 B = 70,272 B per token -> 706,619 tokens
+    assert (round(cap.weights_gib, 2), round(cap.kv_gib, 2), cap.kv_bytes_per_token, cap.kv_tokens) == (78.11, 46.25, 70_272, 706_619)
+
+
 def test_dense_tiny_model_on_cpu() -> None:
     t = load_topology(Path("examples/local-cpu.yaml")).topology
     node, inst = t.instances("decode")[0]
