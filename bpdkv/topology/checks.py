@@ -11,7 +11,7 @@ from bpdkv.secrets import plaintext_secret_findings
 from bpdkv.topology.capacity import capacity_problems
 from bpdkv.topology.load import PathKey
 from bpdkv.topology.model import Instance, Node, Topology
-from bpdkv.topology.vllm_args import owned_arg_problems
+from bpdkv.topology.vllm_args import owned_arg_problems, turns_off
 
 # First vLLM release with bidirectional_kv_xfer in the NixlConnector.
 MIN_BIDIRECTIONAL_VLLM = (0, 21)
@@ -291,7 +291,7 @@ def capacity(t: Topology) -> Iterator[Problem]:
 def warnings(t: Topology) -> Iterator[Problem]:
     for _, inst in t.instances():
         args = set(t.vllm.extra_args) | set(inst.extra_args)
-        if inst.role == "prefill" and "--no-enable-prefix-caching" in args:
+        if inst.role == "prefill" and turns_off(list(t.vllm.extra_args) + list(inst.extra_args), "enable_prefix_caching"):
             yield Problem(inst.path, "prefix caching is off on prefill: every turn recomputes what P already had", "warning")
         if any("kv_both" in a for a in args):
             yield Problem(inst.path, "kv_role kv_both is deprecated in vLLM; bpdkv sets kv_producer / kv_consumer", "warning")

@@ -56,6 +56,7 @@ class ArgUse:
     spelling: str
     dest: str
     option: str  # vLLM's canonical spelling, e.g. --tensor-parallel-size
+    negated: bool = False  # the --no-… spelling of an on/off flag
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class _Record(argparse.Action):
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
     ) -> None:
         seen = getattr(namespace, "_bpdkv_seen", [])
-        seen.append((self.dest, self.option_strings[0] if self.option_strings else self.dest, values))
+        negated = bool(option_string and option_string.startswith("--no-"))  # BooleanOptionalAction's off spelling
+        seen.append((self.dest, self.option_strings[0] if self.option_strings else self.dest, values, negated))
         namespace._bpdkv_seen = seen
         setattr(namespace, self.dest, values)
 
@@ -155,12 +157,12 @@ def parse_extra_args(args: list[str]) -> tuple[list[ArgUse], list[ArgProblem]]:
             problems.append(ArgProblem(index, f"'{args[index]}': vLLM {load_table()['vllm_version']} would refuse it ({exc})"))
             start = end
             continue
-        for dest, option, value in getattr(namespace, "_bpdkv_seen", []):
+        for dest, option, value, negated in getattr(namespace, "_bpdkv_seen", []):
             if option == dest and isinstance(value, str):  # a positional: point at the stray value itself
                 at = max((origin[j] for j in range(start, end) if tokens[j] == value), default=index)
                 uses.append(ArgUse(at, args[at], dest, option))
             else:
-                uses.append(ArgUse(index, args[index], dest, option))
+                uses.append(ArgUse(index, args[index], dest, option, negated))
         for token in rest:
             if token.startswith("-"):
                 problems.append(
@@ -233,6 +235,13 @@ def format_table(table: dict[str, Any]) -> str:
     lines += [f"  {json.dumps(opt)}," for opt in table["options"]]
     lines[-1] = lines[-1].rstrip(",")
     return "\n".join(lines) + "\n]}\n"
+
+
+def turns_off(args: list[str], dest: str) -> bool:
+    """Whether ``args`` switch vLLM's on/off flag ``dest`` off (e.g. --no-enable-prefix-caching, or a prefix of it)."""
+    uses, _ = parse_extra_args(args)
+    last = [use for use in uses if use.dest == dest]
+    return bool(last) and last[-1].negated
 
 
 if __name__ == "__main__":

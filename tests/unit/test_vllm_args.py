@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bpdkv.topology.vllm_args import TABLE, format_table, load_table, option_value, owned_arg_problems
+from bpdkv.topology.vllm_args import TABLE, format_table, load_table, option_value, owned_arg_problems, turns_off
 
 VLLM_PYTHON = Path("/opt/bpdkv-ci/vllm-venv/bin/python")
 
@@ -89,3 +89,17 @@ def test_table_matches_installed_vllm() -> None:
     if installed["vllm_version"] != load_table()["vllm_version"]:
         pytest.skip(f"installed vLLM {installed['vllm_version']} differs from the table's {load_table()['vllm_version']}")
     assert format_table(installed) == TABLE.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("args", "off"),
+    [
+        (["--no-enable-prefix-caching"], True),
+        (["--no-enable-prefix"], True),  # unique prefix of the off spelling
+        (["--no-enable-prefix-caching", "--enable-prefix-caching"], False),  # the last one wins
+        (["--enable-prefix-caching"], False),
+        ([], False),
+    ],
+)
+def test_turns_off_reads_the_off_spelling(args: list[str], off: bool) -> None:
+    assert turns_off(args, "enable_prefix_caching") is off
