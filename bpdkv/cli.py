@@ -206,10 +206,9 @@ def demo(turns: int, vllm_python: Path, install: bool) -> None:
     if why is not None:
         _yellow(f"the live demo cannot run here: {why}. Showing the offline plan of {example_path().name} instead.")
         from bpdkv.deploy.fleet import load_fleet, plan_fleet
-        from bpdkv.deploy.remote import SshOptions
 
         fleet = load_fleet(str(example_path()))
-        _print_plan(plan_fleet(fleet, True, SshOptions(), 1), show_diff=False)
+        _print_plan(plan_fleet(fleet, True, 1), show_diff=False)
         return
     sys.exit(run_demo(click.echo, vllm_python, turns))
 
@@ -329,10 +328,11 @@ def inventory(topology: str, output: str) -> None:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
 
 
-def _ssh_options(accept_new_host_keys: bool, command_timeout: float) -> Any:
-    from bpdkv.deploy.remote import SshOptions
+def _connect(accept_new_host_keys: bool, command_timeout: float) -> Any:
+    from bpdkv.deploy.connectors.ssh import SshOptions
+    from bpdkv.deploy.fleet import ssh_factory
 
-    return SshOptions(accept_new_host_keys=accept_new_host_keys, command_timeout=command_timeout)
+    return ssh_factory(SshOptions(accept_new_host_keys=accept_new_host_keys, command_timeout=command_timeout))
 
 
 ssh_flags = [
@@ -360,10 +360,17 @@ def _print_plan(plan: Any, show_diff: bool = True) -> None:
         console.print(f"[bold red]compatibility break[/]: {'; '.join(plan.compat_changes)} — all prefill and decode restart together")
     colors = {"create": "green", "update": "yellow", "delete": "red", "none": "dim"}
     for h in plan.hosts:
+        if h.skipped:
+            console.print(f"[bold]{h.host}[/] ({h.address}): [dim]skipped (--limit)[/]")
+            continue
         if not h.reachable:
             console.print(f"[bold]{h.host}[/] ({h.address}): [red]error: {escape(h.error or '')}[/]")
             continue
         console.print(f"[bold]{h.host}[/] ({h.address})" + ("" if h.changed else " [dim]no changes[/]"))
+        for problem in h.problems:
+            console.print(f"  [red]preflight: {escape(problem.fact)}: {escape(problem.message)}[/]")
+        if h.repair:
+            console.print(f"  [magenta]repair: {escape(h.repair)}[/]")
         for p in h.packages:
             if p.action != "none":
                 console.print(f"  [blue]{p.action} package[/] {escape(p.line)}")
@@ -393,12 +400,18 @@ def _print_plan(plan: Any, show_diff: bool = True) -> None:
     )
 
 
+limit_flag = click.option(
+    "--limit", "limit", multiple=True, help="Act only on this node name or role (repeatable); other hosts are left alone."
+)
+
+
 @main.command()
 @click.argument("topology", type=click.Path(path_type=str))
 @click.option("--offline", is_flag=True, help="Plan against empty hosts (all create) without SSH.")
 @click.option("--output", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Save the plan for `bpdkv apply PLAN.json`.")
 @click.option("--no-diff", is_flag=True, help="Do not print file diffs.")
+@limit_flag
 @with_ssh_flags
 @user_errors
 def plan(
@@ -407,18 +420,19 @@ def plan(
     output: str,
     out_file: Path | None,
     no_diff: bool,
+    limit: tuple[str, ...],
     accept_new_host_keys: bool,
     command_timeout: float,
     parallel: int,
 ) -> None:
-    """Show what apply would change: files (+ ~ -), daemon-reload, unit actions with reasons, order.
+    """Show what apply would change: files (+ ~ -), daemon-reload, unit actions with reasons, order, preflight problems.
 
     Exit code: 0 no changes, 2 changes, 1 error (like terraform plan -detailed-exitcode)."""
     from bpdkv.deploy.fleet import load_fleet, plan_fleet, save_plan
 
     fleet = load_fleet(topology)
     try:
-        result = plan_fleet(fleet, offline, _ssh_options(accept_new_host_keys, command_timeout), parallel)
+        result = plan_fleet(fleet, offline, parallel, _connect(accept_new_host_keys, command_timeout), limit)
     finally:
         fleet.close()
     if out_file is not None:
@@ -429,6 +443,8 @@ def plan(
         _print_plan(result, show_diff=not no_diff)
         if out_file is not None:
             click.echo(f"saved plan to {out_file}; apply it with: bpdkv apply {out_file}")
+    for problem in result.problems:
+        _red(problem.line())
     sys.exit(result.exit_code)
 
 
@@ -442,6 +458,8 @@ def plan(
     default=None,
     help="Seconds a unit may take to pass /health and /v1/models (default: vllm.start_timeout).",
 )
+@click.option("--force-unlock", is_flag=True, help="Remove a lock left by an apply that died (check that none runs first).")
+@limit_flag
 @with_ssh_flags
 @user_errors
 def apply(
@@ -449,63 +467,68 @@ def apply(
     yes: bool,
     max_unavailable: int,
     start_timeout: float | None,
+    force_unlock: bool,
+    limit: tuple[str, ...],
     accept_new_host_keys: bool,
     command_timeout: float,
     parallel: int,
 ) -> None:
-    """Make the fleet match TARGET (a topology, or a plan saved with `plan --out`)."""
+    """Make the fleet match TARGET (a topology, or a plan saved with `plan --out`, which runs exactly as saved)."""
     from rich.console import Console
-    from rich.table import Table
 
-    from bpdkv.deploy.fleet import check_saved_plan, load_fleet, load_saved_plan, plan_fleet
+    from bpdkv.deploy.fleet import check_saved_plan, load_fleet, load_saved_plan, lock_owner, plan_fleet
     from bpdkv.deploy.runner import ApplyOptions
 
-    ssh = _ssh_options(accept_new_host_keys, command_timeout)
+    connect = _connect(accept_new_host_keys, command_timeout)
     saved = None
     topology_file = target
     if target.endswith(".json"):
-        saved, topology_file = load_saved_plan(Path(target))
+        saved = load_saved_plan(Path(target))
+        topology_file = saved.topology_file
+        limit = tuple(saved.plan.limit)
     fleet = load_fleet(topology_file)
     console = Console(highlight=False, stderr=False)
+    owner = lock_owner()
     try:
-        fresh = plan_fleet(fleet, False, ssh, parallel)
+        fresh = plan_fleet(fleet, False, parallel, connect, limit, owner, force_unlock, start_timeout)
         if saved is not None:
-            check_saved_plan(saved, fresh)
-        if not fresh.has_changes:
-            if fresh.has_errors:
-                _print_plan(fresh, show_diff=False)
-                sys.exit(1)
+            check_saved_plan(saved, fresh, fleet)
+        chosen = saved.plan if saved is not None else fresh
+        if not chosen.has_changes and not chosen.has_errors:
             console.print("no changes: the fleet matches the topology")
             return
-        if saved is None:
-            _print_plan(fresh)
-            if not yes:
-                if not sys.stdin.isatty():
-                    raise click.UsageError("refusing to apply without confirmation: pass -y (stdin is not a terminal)")
-                click.confirm("apply these changes?", abort=True)
-        options = ApplyOptions(parallel=parallel, max_unavailable=max_unavailable, start_timeout=start_timeout, ssh=ssh)
+        _print_plan(chosen, show_diff=saved is None)
+        if saved is None and not chosen.has_errors and not yes:
+            if not sys.stdin.isatty():
+                raise click.UsageError("refusing to apply without confirmation: pass -y (stdin is not a terminal)")
+            click.confirm("apply these changes?", abort=True)
+        options = ApplyOptions(parallel=parallel, max_unavailable=max_unavailable, owner=owner)
 
         def progress(host: str, message: str) -> None:
             console.print(f"[dim]{host}[/]: {message}")
 
         from bpdkv.deploy.fleet import apply_plan
 
-        outcomes = apply_plan(fleet, fresh, options, progress)
+        report = apply_plan(fleet, chosen, options, progress)
     finally:
         fleet.close()
-    table = Table(title="apply summary")
+    _print_report(report, "apply")
+    sys.exit(report.exit_code)
+
+
+def _print_report(report: Any, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{title} summary")
     for col in ("host", "status", "files", "units (re)started", "message"):
         table.add_column(col)
-    failed = False
-    for o in outcomes.values():
-        color = {"applied": "green", "unchanged": "dim", "rolled back": "red", "failed": "red", "unreachable": "red"}[o.status]
-        failed = failed or o.status in ("rolled back", "failed", "unreachable")
-        table.add_row(o.host, f"[{color}]{o.status}[/]", str(o.files_written), ", ".join(o.units_restarted), o.message)
-    console.print(table)
-    for o in outcomes.values():
-        if o.status in ("rolled back", "failed", "unreachable"):
-            _red(f"{o.host}: {o.status}: {o.message}")
-    sys.exit(1 if failed else 0)
+    for o in report.outcomes.values():
+        color = "green" if o.status.value == "applied" else "dim" if o.status.ok else "red"
+        table.add_row(o.host, f"[{color}]{o.status.value}[/]", str(o.files_written), ", ".join(o.units_restarted), o.message)
+    Console(highlight=False).print(table)
+    for line in report.failed_lines():
+        _red(line)
 
 
 @main.command()
@@ -514,7 +537,7 @@ def apply(
 @with_ssh_flags
 @user_errors
 def status(topology: str, output: str, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
-    """Per instance: unit state, health, versions, drift. Exit 1 when anything is unhealthy."""
+    """Per instance: unit state, health, versions, drift (what `plan` would change). Exit 1 when anything is unhealthy."""
     from rich.console import Console
     from rich.table import Table
 
@@ -523,7 +546,7 @@ def status(topology: str, output: str, accept_new_host_keys: bool, command_timeo
 
     fleet = load_fleet(topology)
     try:
-        rows = fleet_status(fleet, _ssh_options(accept_new_host_keys, command_timeout), parallel)
+        rows = fleet_status(fleet, parallel, _connect(accept_new_host_keys, command_timeout))
     finally:
         fleet.close()
     healthy = all(r.healthy for r in rows)
@@ -557,7 +580,8 @@ def status(topology: str, output: str, accept_new_host_keys: bool, command_timeo
 @with_ssh_flags
 @user_errors
 def destroy(topology: str, yes: bool, keep_packages: bool, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
-    """Stop and disable bpdkv's units, remove exactly the files in each host's manifest and the bootstrap's venv."""
+    """Stop and disable bpdkv's units, remove exactly the files in each host's manifest and the bootstrap's venv.
+    A removal plan on the same runner as apply: preflight on every host first, locks, files restored on failure."""
     from bpdkv.deploy.fleet import destroy as fleet_destroy
     from bpdkv.deploy.fleet import load_fleet
 
@@ -567,16 +591,13 @@ def destroy(topology: str, yes: bool, keep_packages: bool, accept_new_host_keys:
         click.confirm(f"destroy every bpdkv unit and file of {topology}?", abort=True)
     fleet = load_fleet(topology, resolve_secrets=False)
     try:
-        results = fleet_destroy(
-            fleet, _ssh_options(accept_new_host_keys, command_timeout), parallel, lambda h, m: click.echo(f"{h}: {m}"), keep_packages
+        report = fleet_destroy(
+            fleet, parallel, _connect(accept_new_host_keys, command_timeout), lambda h, m: click.echo(f"{h}: {m}"), keep_packages
         )
     finally:
         fleet.close()
-    bad = False
-    for host, message in results.items():
-        (_red if message.startswith(("unreachable", "failed")) else click.echo)(f"{host}: {message}")
-        bad = bad or message.startswith(("unreachable", "failed"))
-    sys.exit(1 if bad else 0)
+    _print_report(report, "destroy")
+    sys.exit(report.exit_code)
 
 
 @main.command()

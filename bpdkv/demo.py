@@ -152,8 +152,7 @@ def place_model(model_dir: Path, host_fs: Path, target: str) -> None:
 def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> int:
     """The whole demo; returns the exit code. Everything it starts is torn down on the way out."""
     from bpdkv.deploy.bootstrap import BootstrapError, Wheelhouse, build_wheelhouse
-    from bpdkv.deploy.fleet import apply_plan, destroy, load_fleet, plan_fleet, plan_summary, wheelhouse_path
-    from bpdkv.deploy.remote import SshOptions
+    from bpdkv.deploy.fleet import apply_plan, destroy, load_fleet, lock_owner, plan_fleet, plan_summary, wheelhouse_path
     from bpdkv.deploy.runner import ApplyOptions
     from bpdkv.lab.hosts import TestHosts
 
@@ -173,7 +172,6 @@ def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> i
         Wheelhouse.load(house_dir).check_current()
     except BootstrapError:
         build_wheelhouse(topology, house_dir, None, None)
-    ssh = SshOptions()
     lab = TestHosts(len(topology.nodes))
     out(f"2/5 starting {len(topology.nodes)} test hosts (network namespaces, real sshd) on {lab.base}")
     lab.start()
@@ -182,15 +180,15 @@ def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> i
         for node, host in zip(topology.nodes, lab.hosts, strict=False):
             if any(i.role in ("prefill", "decode") for i in node.instances):
                 place_model(DEMO_MODEL_CACHE, host.fs, model_path)
-        plan = plan_fleet(fleet, False, ssh, 8)
+        plan = plan_fleet(fleet, False, 8)
         s = plan_summary(plan)
         out(
             f"3/5 apply: {s['create']} files to create, {s['restart']} units to start, packages on {sum(h.installs for h in plan.hosts)} hosts"
         )
         started = time.monotonic()
-        outcomes = apply_plan(fleet, plan, ApplyOptions(ssh=ssh), lambda host, msg: out(f"    {host}: {msg}"))
+        report = apply_plan(fleet, plan, ApplyOptions(owner=lock_owner()), lambda host, msg: out(f"    {host}: {msg}"))
         fleet.close()
-        bad = [f"{o.host}: {o.status}: {o.message}" for o in outcomes.values() if o.status not in ("applied", "unchanged")]
+        bad = report.failed_lines()
         if bad:
             raise BpdkvError("apply failed: " + "; ".join(bad))
         out(f"    fleet up in {time.monotonic() - started:.0f} s")
@@ -212,7 +210,7 @@ def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> i
         out("5/5 tearing down: bpdkv destroy, then the test hosts")
         try:
             fleet = load_fleet(str(example))
-            destroy(fleet, ssh, 8)
+            destroy(fleet, 8)
         except Exception as exc:  # noqa: BLE001 - teardown reports and goes on: the hosts go away regardless
             out(f"    destroy: {exc}")
         finally:

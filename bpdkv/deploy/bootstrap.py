@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bpdkv import __version__
-from bpdkv.deploy.remote import NODE_WHEELHOUSE
+from bpdkv.deploy.facts import NODE_WHEELHOUSE
 from bpdkv.errors import BpdkvError
 from bpdkv.topology.model import Node, Topology
 

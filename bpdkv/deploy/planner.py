@@ -10,14 +10,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bpdkv import __version__
-from bpdkv.deploy.bootstrap import PackageChange, package_changes
-from bpdkv.deploy.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
+from bpdkv.deploy import operations as ops
+from bpdkv.deploy.bootstrap import PackageChange, package_changes, source_digest
+from bpdkv.deploy.facts import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts, PreflightProblem
 from bpdkv.render import Artifact
 from bpdkv.secrets import secret_diff
-from bpdkv.topology.model import Topology
+from bpdkv.topology.model import Node, Topology
 
 SECRET_KEY = re.compile(r"(?i)(key|token|secret|passw|credential|auth)")
 ROLE_ORDER = ("prefill", "decode", "router")
+DISK_MARGIN = 16 * 1024 * 1024  # bytes free beyond the files themselves (backups, temp copies, the manifest)
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,18 @@ class HostPlan:
     units: list[UnitAction]
     facts_digest: str
     packages: list[PackageChange] = field(default_factory=list)
+    operations: list[ops.Operation] = field(default_factory=list)
+    problems: list[PreflightProblem] = field(default_factory=list)
+    repair: str | None = None  # the host's record disagrees with its files (unfinished apply): the manifest is rewritten
+    skipped: bool = False  # left out by --limit: not touched, not counted
 
     @property
     def changed(self) -> bool:
-        return any(f.action != "none" for f in self.files) or any(u.action != "none" for u in self.units) or self.installs
+        if self.skipped:
+            return False
+        return (
+            any(f.action != "none" for f in self.files) or any(u.action != "none" for u in self.units) or self.installs or bool(self.repair)
+        )
 
     @property
     def installs(self) -> bool:
@@ -75,6 +85,9 @@ class Plan:
     compat_changes: list[str]
     hosts: list[HostPlan]
     waves: list[dict[str, Any]] = field(default_factory=list)
+    cli_build: str = ""  # digest of the bpdkv source that made the plan; a saved plan runs only with the same build
+    group: list[str] = field(default_factory=list)  # hosts of one P/D generation: they succeed or roll back together
+    limit: list[str] = field(default_factory=list)
 
     @property
     def has_changes(self) -> bool:
@@ -82,7 +95,12 @@ class Plan:
 
     @property
     def has_errors(self) -> bool:
-        return any(not h.reachable for h in self.hosts)
+        return any((not h.reachable or h.problems) and not h.skipped for h in self.hosts)
+
+    @property
+    def problems(self) -> list[PreflightProblem]:
+        out = [PreflightProblem(h.host, "reachable", h.error or "no facts") for h in self.hosts if not h.reachable and not h.skipped]
+        return out + [p for h in self.hosts if not h.skipped for p in h.problems]
 
     @property
     def exit_code(self) -> int:
@@ -91,9 +109,11 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        for host in out["hosts"]:
+        for host, plan in zip(out["hosts"], self.hosts, strict=True):
             for f in host["files"]:
                 f["symbol"] = {"create": "+", "update": "~", "delete": "-", "none": " "}[f["action"]]
+            host["operations"] = [ops.to_json(op) for op in plan.operations]
+            host["commands"] = [ops.describe(op) for op in plan.operations]
         out["has_changes"] = self.has_changes
         out["has_errors"] = self.has_errors
         return out
@@ -111,11 +131,24 @@ class Plan:
                 units=[UnitAction(u["unit"], u["instance"], u["role"], u["action"], u["reason"], u["port"]) for u in h["units"]],
                 facts_digest=h["facts_digest"],
                 packages=[PackageChange(p["name"], p["old"], p["new"], p["action"]) for p in h.get("packages", [])],
+                operations=[ops.from_json(op) for op in h["operations"]],
+                problems=[PreflightProblem(**p) for p in h.get("problems", [])],
+                repair=h.get("repair"),
+                skipped=h.get("skipped", False),
             )
             for h in data["hosts"]
         ]
         return Plan(
-            data["topology"], data["generation"], data["bpdkv_version"], data["compat_break"], data["compat_changes"], hosts, data["waves"]
+            data["topology"],
+            data["generation"],
+            data["bpdkv_version"],
+            data["compat_break"],
+            data["compat_changes"],
+            hosts,
+            data["waves"],
+            data["cli_build"],
+            data.get("group", []),
+            data.get("limit", []),
         )
 
 
@@ -141,12 +174,14 @@ def generation_id(artifacts: list[Artifact]) -> str:
 
 
 def facts_digest(facts: HostFacts) -> str:
+    """What a saved plan depends on; a lock or dirty marker appearing, a file or unit state changing → another digest."""
     stable = {
         "manifest": facts.manifest,
-        "files": {p: (None if i is None else i["sha256"]) for p, i in sorted(facts.files.items())},
+        "files": {p: (None if i is None else [i["sha256"], i.get("mode")]) for p, i in sorted(facts.files.items())},
         "units": facts.units,
         "versions": facts.versions,
         "bpdkv_source": facts.bpdkv_source,
+        "dirty": facts.dirty,
     }
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -188,9 +223,20 @@ def manifest_for(topology: Topology, host: str, artifacts: list[Artifact], gener
     }
 
 
-def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, HostFacts]) -> Plan:
+def make_plan(
+    topology: Topology,
+    artifacts: list[Artifact],
+    facts: dict[str, HostFacts],
+    limit: tuple[str, ...] = (),
+    owner: str | None = None,
+    system_packages: dict[str, tuple[str, ...]] | None = None,
+    start_timeout: float | None = None,
+) -> Plan:
+    """`limit`: node names or roles to act on (others are skipped, not checked); `owner`: this apply's lock owner, so a
+    lock held by it is not a problem; `system_packages`: Debian packages the render asks for, per node."""
     generation = generation_id(artifacts)
     desired_compat = compat_fingerprint(topology)
+    selected = {n.name for n in topology.nodes if _selected(n, limit)}
     # Compatibility break: any host's last manifest disagrees with what we are about to deploy.
     compat_changes: list[str] = []
     for known in facts.values():
@@ -206,11 +252,14 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
     instances = {i.name: (n, i) for n, i in topology.instances()}
     host_plans: list[HostPlan] = []
     restarted_prefill: list[str] = []
-    pending: list[tuple[str, list[FileChange], bool, list[UnitAction], HostFacts, list[PackageChange]]] = []
+    pending: list[tuple[Node, list[FileChange], bool, list[UnitAction], HostFacts, list[PackageChange], str | None]] = []
 
     for node in topology.nodes:
         f = facts.get(node.name)
         mine = [a for a in artifacts if a.host == node.name]
+        if node.name not in selected:
+            host_plans.append(HostPlan(node.name, node.host, f is not None and f.reachable, None, [], False, [], "", skipped=True))
+            continue
         if f is None or not f.reachable:
             host_plans.append(HostPlan(node.name, node.host, False, f.error if f else "no facts", [], False, [], ""))
             continue
@@ -236,6 +285,7 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
         for path in sorted(manifest_files):
             if path not in rendered and path != MANIFEST_PATH:
                 changes.append(FileChange(path, "delete", 0, None, False, ""))
+        repair = _repair_reason(f, mine)
         packages = package_changes(topology, node, f.versions, f.bpdkv_source)
         upgraded = [p.line for p in packages if p.action != "none"]
         units: list[UnitAction] = []
@@ -253,6 +303,8 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
                 action, reason = ("restart" if state == "active" else "start"), "changed: " + ", ".join(sorted(set(what)))
             elif upgraded:
                 action, reason = ("restart" if state == "active" else "start"), "packages changed: " + "; ".join(upgraded)
+            elif repair:
+                action, reason = ("restart" if state == "active" else "start"), f"repair: {repair}"
             elif state != "active":
                 action, reason = "start", f"not running ({state})"
             else:
@@ -266,10 +318,11 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
             if unit not in {a.unit for a in mine if a.unit}:
                 units.append(UnitAction(unit, old_instances.get(unit, unit), "removed", "stop", "no longer in the topology"))
         daemon_reload = any(c.path.endswith(".service") and c.action != "none" for c in changes)
-        pending.append((node.name, changes, daemon_reload, units, f, packages))
+        pending.append((node, changes, daemon_reload, units, f, packages, repair))
 
-    # D instances that talk to a restarted P restart after it: their NIXL agents cache P's metadata.
-    for name, changes, daemon_reload, units, host_facts, packages in pending:
+    router = _router(topology, facts)
+    for node, changes, daemon_reload, units, host_facts, packages, repair in pending:
+        # D instances that talk to a restarted P restart after it: their NIXL agents cache P's metadata.
         if restarted_prefill:
             units = [
                 UnitAction(
@@ -284,8 +337,29 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
                 else u
                 for u in units
             ]
-        node = next(n for n in topology.nodes if n.name == name)
-        host_plans.append(HostPlan(name, node.host, True, None, changes, daemon_reload, units, facts_digest(host_facts), packages))
+        mine = [a for a in artifacts if a.host == node.name]
+        host_plan = HostPlan(
+            node.name, node.host, True, None, changes, daemon_reload, units, facts_digest(host_facts), packages, repair=repair
+        )
+        wanted_system = tuple((system_packages or {}).get(node.name, ()))
+        operations = host_operations(topology, node, host_plan, mine, generation, wanted_system, router, start_timeout)
+        problems = preflight_problems(node, host_facts, mine, host_plan, owner)
+        host_plans.append(
+            HostPlan(
+                node.name,
+                node.host,
+                True,
+                None,
+                changes,
+                daemon_reload,
+                units,
+                facts_digest(host_facts),
+                packages,
+                operations if host_plan.changed else [],
+                problems,
+                repair,
+            )
+        )
 
     host_plans.sort(key=lambda h: [n.name for n in topology.nodes].index(h.host))
     waves: list[dict[str, Any]] = []
@@ -296,7 +370,143 @@ def make_plan(topology: Topology, artifacts: list[Artifact], facts: dict[str, Ho
         members = [f"{h.host}:{u.unit}" for h in host_plans for u in h.units if u.role == role and u.action in ("start", "restart")]
         if members:
             waves.append({"role": role, "action": "start/restart", "units": members})
-    return Plan(topology.name, generation, __version__, compat_break, compat_changes, host_plans, waves)
+    group = sorted(
+        {h.host for h in host_plans for u in h.units if compat_break and u.role in ("prefill", "decode") and u.action != "none"},
+        key=[n.name for n in topology.nodes].index,
+    )
+    return Plan(
+        topology.name, generation, __version__, compat_break, compat_changes, host_plans, waves, source_digest(), group, list(limit)
+    )
+
+
+def _selected(node: Node, limit: tuple[str, ...]) -> bool:
+    return not limit or node.name in limit or any(i.role in limit for i in node.instances)
+
+
+def _router(topology: Topology, facts: dict[str, HostFacts]) -> tuple[str, int] | None:
+    """Where a running router listens (node name, port): rolling restarts drain through it. None when the topology
+    has no router or it does not run yet (nothing to drain)."""
+    for node, inst in topology.instances():
+        if inst.role == "router" and inst.port is not None:
+            known = facts.get(node.name)
+            if known is not None and known.reachable and known.units.get(inst.unit) == "active":
+                return node.name, inst.port
+    return None
+
+
+def _repair_reason(facts: HostFacts, mine: list[Artifact]) -> str | None:
+    """A host whose record disagrees with its files did not finish an apply: say so, so plan and status agree."""
+    if facts.dirty:
+        return f"a previous apply could not restore this host ({facts.dirty})"
+    if not mine:
+        return None
+    manifest = facts.manifest if isinstance(facts.manifest, dict) else None
+    if manifest is None:
+        present = [a.path for a in mine if facts.files.get(a.path) is not None]
+        return "files present but no valid manifest (unfinished apply)" if present else None
+    recorded = manifest.get("files", {})
+    for art in mine:
+        info = facts.files.get(art.path)
+        want = hashlib.sha256(art.content.encode()).hexdigest()
+        if info is not None and info["sha256"] == want and recorded.get(art.path) not in (None, want):
+            return f"the manifest records another version of {art.path} (unfinished apply)"
+    return None
+
+
+def host_operations(
+    topology: Topology,
+    node: Node,
+    plan: HostPlan,
+    artifacts: list[Artifact],
+    generation: str,
+    system_packages: tuple[str, ...],
+    router: tuple[str, int] | None,
+    start_timeout: float | None,
+) -> list[ops.Operation]:
+    """The host's ordered operations: packages, stops, files, daemon-reload, per unit (drain, start, gate, undrain), manifest."""
+    out: list[ops.Operation] = []
+    if system_packages:
+        out.append(ops.InstallSystemPackages(system_packages))
+    if plan.installs:
+        out.append(ops.InstallPackages(tuple(p.line for p in plan.packages if p.action != "none")))
+    for u in plan.units:
+        if u.action == "stop":
+            out.append(ops.StopUnit(u.unit, u.instance, u.reason))
+    by_path = {a.path: a for a in artifacts}
+    for f in plan.files:
+        if f.action in ("create", "update"):
+            art = by_path[f.path]
+            out.append(ops.UploadFile(f.path, art.mode, hashlib.sha256(art.content.encode()).hexdigest(), art.secret, art.instance))
+        elif f.action == "delete":
+            out.append(ops.DeleteFile(f.path))
+    if plan.daemon_reload:
+        out.append(ops.DaemonReload())
+    timeout = start_timeout or float(topology.vllm.start_timeout)
+    efa = node.efa_devices > 0 and topology.kv_transfer.backend == "LIBFABRIC"
+    for role in ROLE_ORDER:
+        for u in plan.units:
+            if u.role != role or u.action not in ("start", "restart"):
+                continue
+            new = u.reason == "new instance"
+            # Drain only what serves traffic through a router that runs already (a new router has nothing to drain).
+            drain = router is not None and role in ("prefill", "decode") and u.action == "restart"
+            if drain:
+                assert router is not None
+                out.append(ops.Drain(u.instance, router[0], router[1]))
+            out.append(ops.StartUnit(u.unit, u.instance, u.role, u.action == "restart", new, u.reason))
+            if u.port is not None:
+                listen = topology.router.listen if role == "router" else ""
+                address = listen if listen not in ("", "0.0.0.0", "::", "localhost") else "127.0.0.1"
+                out.append(ops.HealthGate(u.unit, u.instance, address, u.port, timeout, efa and role in ("prefill", "decode")))
+            if drain:
+                assert router is not None
+                out.append(ops.Undrain(u.instance, router[0], router[1]))
+    manifest = manifest_for(topology, node.name, artifacts, generation)
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    out.append(ops.WriteManifest(generation, digest))
+    return out
+
+
+def preflight_problems(
+    node: Node, facts: HostFacts, artifacts: list[Artifact], plan: HostPlan, owner: str | None
+) -> list[PreflightProblem]:
+    """Pure checks of one host's facts before anything is written anywhere: lock, disk, ports (hardware: see runner)."""
+    problems: list[PreflightProblem] = []
+    lock = facts.lock
+    if lock and lock.get("owner") != owner:
+        problems.append(
+            PreflightProblem(
+                node.name,
+                "lock",
+                f"another apply holds the lock: {lock.get('owner')} (pid {lock.get('pid')}, since {lock.get('started')}, "
+                f"topology {lock.get('topology')}); wait for it or pass --force-unlock if it died",
+            )
+        )
+    writes = [f for f in plan.files if f.action in ("create", "update")]
+    need = sum(len(a.content.encode()) for a in artifacts if a.path in {f.path for f in writes}) * 2 + DISK_MARGIN
+    for space in facts.disk:
+        if space.read_only and writes:
+            problems.append(PreflightProblem(node.name, "disk", f"{space.path} is on a read-only file system; remount it read-write"))
+        elif writes and space.free_bytes < need:
+            problems.append(
+                PreflightProblem(node.name, "disk", f"{space.path}: {space.free_bytes} bytes free, need at least {need}; free space first")
+            )
+    starting = {u.port: u for u in plan.units if u.port is not None and u.action in ("start", "restart")}
+    for listener in facts.listeners:
+        unit = starting.get(listener.port)
+        if unit is None:
+            continue
+        ours = facts.units.get(unit.unit) == "active" or any(
+            u.port == listener.port and facts.units.get(u.unit) == "active" for u in plan.units
+        )
+        if not ours:
+            who = f"{listener.process} (pid {listener.pid})" if listener.process else "another process"
+            problems.append(
+                PreflightProblem(
+                    node.name, "ports", f"port {listener.port} for {unit.instance} is taken by {who}; free it or change the port"
+                )
+            )
+    return problems
 
 
 def _kind(path: str) -> str:

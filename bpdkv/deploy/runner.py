@@ -1,43 +1,104 @@
-"""Execute a Plan: atomic file writes with backups, daemon-reload, restart waves with health gates, rollback, manifest last.
+"""Execute a Plan's operations exactly: locks, packages, staged files committed by renames, daemon-reload, unit waves
+(drain → start → gate → undrain), rollback per host or per P/D generation, manifest last, locks released.
 
-Every write goes through `Executor`; nothing here decides *what* to change (plan.py did).
+Only `ConnectorError` (a transport failure) becomes a per-host outcome here. Any other exception is a bug: the host
+fails with the traceback in its log, the command exits 1, and the host is rolled back like any failed one.
 """
 
 from __future__ import annotations
 
-import io
 import json
+import logging
 import shlex
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
+from hashlib import sha256
 from pathlib import Path
-from typing import Any
-
-from fabric import Connection
+from typing import Any, TypeVar
 
 from bpdkv.deploy import efa
+from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import SOURCE_MARKER, check_installed, install_command, source_digest
-from bpdkv.deploy.planner import HostPlan, Plan, UnitAction, manifest_for
-from bpdkv.deploy.remote import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts, RemoteError, SshOptions, run
+from bpdkv.deploy.connectors import Connector, ConnectorError, plain_errno, probe, run_checked
+from bpdkv.deploy.facts import DIRTY_PATH, LOCK_PATH, MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
+from bpdkv.deploy.planner import HostPlan, Plan, manifest_for
+from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact
-from bpdkv.topology.model import Node, Topology
+from bpdkv.secrets import health_probe, router_base
+from bpdkv.topology.model import Topology
+
+log = logging.getLogger("bpdkv.deploy")
 
 BACKUP_DIR = "/var/lib/bpdkv/backup"
 STATE_DIR = "/var/lib/bpdkv"
 TMP_SUFFIX = ".bpdkv-new"
 KEEP_BACKUPS = 3
+INSTALL_TIMEOUT = 3600.0  # seconds for one node's pip install: vLLM + torch from a wheelhouse take minutes
+DRAIN_TIMEOUT = 120.0
+T = TypeVar("T")
+
+
+class HostStatus(str, Enum):
+    UNCHANGED = "unchanged"
+    APPLIED = "applied"
+    SKIPPED = "skipped"  # left out by --limit
+    NOT_STARTED = "not started"  # preflight failed somewhere: nothing written on this host
+    ROLLED_BACK = "rolled back"  # failed, previous files and units serve again
+    FAILED = "failed"  # failed before anything was changed on it (or its change was undone before commit)
+    DIRTY = "dirty"  # failed and could not be restored: the next plan shows it and apply repairs it
+
+    @property
+    def ok(self) -> bool:
+        return self in (HostStatus.UNCHANGED, HostStatus.APPLIED, HostStatus.SKIPPED)
 
 
 @dataclass
 class HostOutcome:
     host: str
-    status: str = "unchanged"  # unchanged | applied | rolled back | failed | unreachable
+    status: HostStatus = HostStatus.UNCHANGED
     message: str = ""
     files_written: int = 0
     units_restarted: list[str] = field(default_factory=list)
+    traceback: str = ""  # set when a bug (not a transport error) failed the host
+
+
+@dataclass
+class Report:
+    """Owns per-host outcomes and the exit code: 0 when every host is applied/unchanged/skipped, else 1."""
+
+    outcomes: dict[str, HostOutcome]
+    problems: list[str] = field(default_factory=list)  # preflight lines (nothing was written)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if not self.problems and all(o.status.ok for o in self.outcomes.values()) else 1
+
+    def failed_lines(self) -> list[str]:
+        lines = list(self.problems)
+        for o in self.outcomes.values():
+            if not o.status.ok and o.status is not HostStatus.NOT_STARTED:
+                lines.append(f"{o.host}: {o.status.value}: {o.message}")
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "exit_code": self.exit_code,
+            "problems": self.problems,
+            "hosts": [
+                {
+                    "host": o.host,
+                    "status": o.status.value,
+                    "message": o.message,
+                    "files_written": o.files_written,
+                    "units_restarted": o.units_restarted,
+                }
+                for o in self.outcomes.values()
+            ],
+        }
 
 
 @dataclass(frozen=True)
@@ -49,72 +110,40 @@ class PackageSource:
     offline: bool
 
 
-INSTALL_TIMEOUT = 3600.0  # seconds for one node's pip install: vLLM + torch from a wheelhouse take minutes
-
-
 @dataclass(frozen=True)
 class ApplyOptions:
     parallel: int = 8
     max_unavailable: int = 1
-    start_timeout: float | None = None  # default: topology.vllm.start_timeout
-    ssh: SshOptions = SshOptions()
+    owner: str = ""  # lock owner text: user@machine pid N
+    drain_timeout: float = DRAIN_TIMEOUT
 
 
 Progress = Callable[[str, str], None]  # (host, message)
 
 
-def stop_and_disable(unit: str) -> str:
-    return f"systemctl stop {shlex.quote(unit)}; systemctl disable {shlex.quote(unit)}"
+class PlanMismatch(BpdkvError):
+    """The saved operations do not match what was rendered (a bug or a tampered plan file)."""
 
 
-def _put_atomic(conn: Connection, node: str, art_path: str, content: str, mode: int, options: SshOptions) -> None:
-    """Upload to a temp name beside the target, chmod, then rename: the target is never half-written."""
-    tmp = art_path + TMP_SUFFIX
-    parent = art_path.rsplit("/", 1)[0] or "/"
-    run(conn, node, f"mkdir -p {shlex.quote(parent)}", options)
-    try:
-        conn.put(io.BytesIO(content.encode()), remote=tmp)
-    except Exception as exc:  # noqa: BLE001 - paramiko/sftp raise many kinds; one line about this host
-        raise RemoteError(node, f"upload of {art_path} failed: {exc}") from None
-    run(conn, node, f"chmod {mode:o} {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(art_path)}", options)
+def for_each_host(items: Sequence[T], fn: Callable[[T], Any], parallel: int) -> list[Any]:
+    """fn per item in parallel threads; results in input order. Exceptions propagate (callers guard per host)."""
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(items)))) as pool:
+        return list(pool.map(fn, items))
 
 
-def health_gate(address: str, port: int, timeout: float, probe_interval: float = 1.0) -> str | None:
-    """None when /health and then /v1/models answer 200 within timeout; else what was last seen.
-
-    Probes start at 50 ms apart and back off to probe_interval: small services pass quickly, big models are not hammered."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    last = "no answer"
-    for path in ("/health", "/v1/models"):
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://{address}:{port}{path}", timeout=min(5.0, max(timeout, 0.5))) as resp:
-                    if resp.status == 200:
-                        break
-                    last = f"{path}: HTTP {resp.status}"
-            except urllib.error.HTTPError as exc:
-                last = f"{path}: HTTP {exc.code}"
-            except (urllib.error.URLError, OSError) as exc:
-                last = f"{path}: {getattr(exc, 'reason', exc)}"
-            if time.monotonic() >= deadline:
-                return last
-            time.sleep(delay)
-            delay = min(delay * 2, probe_interval)
-    return None
-
-
-class Executor:
+class Runner:
     def __init__(
         self,
         topology: Topology,
         artifacts: list[Artifact],
         plan: Plan,
-        conns: dict[str, Connection],
+        conns: dict[str, Connector],
         options: ApplyOptions,
         progress: Progress | None = None,
         packages: PackageSource | None = None,
-        node_facts: dict[str, HostFacts] | None = None,
+        facts: dict[str, HostFacts] | None = None,
     ) -> None:
         self.topology = topology
         self.artifacts = artifacts
@@ -122,138 +151,314 @@ class Executor:
         self.conns = conns
         self.options = options
         self.progress = progress or (lambda host, msg: None)
-        self.outcomes: dict[str, HostOutcome] = {h.host: HostOutcome(h.host) for h in plan.hosts}
-        self.backups: dict[str, str] = {}
         self.packages = packages
-        self.node_facts = node_facts or {}
+        self.facts = facts or {}
+        self.report = Report({h.host: HostOutcome(h.host) for h in plan.hosts})
+        self.committed: set[str] = set()  # hosts whose new files are in place (rollback must restore them)
+        self.started: dict[str, list[ops.StartUnit]] = {}  # units this run (re)started, per host
+        self.locked: set[str] = set()
+        self.backup = f"{BACKUP_DIR}/{plan.generation}"
 
-    def node(self, hp: HostPlan) -> Node:
-        return next(n for n in self.topology.nodes if n.name == hp.host)
+    # ---- helpers ---------------------------------------------------------------------------------------------------
+    def outcome(self, host: str) -> HostOutcome:
+        return self.report.outcomes[host]
 
-    # ---- phases ----------------------------------------------------------------------------------------------
-    def install_packages(self, hp: HostPlan) -> None:
+    def alive(self, host: str) -> bool:
+        return self.outcome(host).status in (HostStatus.UNCHANGED, HostStatus.APPLIED)
+
+    def guarded(self, step: Callable[[HostPlan], None]) -> Callable[[HostPlan], None]:
+        """Run one step on one host; a failure fails only that host (and rolls it back), never the process."""
+
+        def inner(hp: HostPlan) -> None:
+            if not self.alive(hp.host):
+                return
+            try:
+                step(hp)
+            except ConnectorError as exc:
+                self.fail(hp, exc.reason)
+            except Exception as exc:  # noqa: BLE001 - a bug: fail this host loudly with its traceback, never report success
+                trace = traceback.format_exc()
+                log.error("%s: internal error\n%s", hp.host, trace)
+                self.fail(hp, f"internal error ({type(exc).__name__}: {exc}); traceback in the log", trace)
+
+        return inner
+
+    def fail(self, hp: HostPlan, message: str, trace: str = "") -> None:
+        out = self.outcome(hp.host)
+        out.status = HostStatus.FAILED
+        out.message = message
+        out.traceback = trace or out.traceback
+        self.progress(hp.host, f"failed: {message}")
+        if hp.host in self.committed or self.started.get(hp.host):
+            self.rollback([hp], message)
+
+    # ---- locks -----------------------------------------------------------------------------------------------------
+    def lock_all(self, hosts: list[HostPlan]) -> list[str]:
+        """Take every host's lock before anything is written; on any refusal release those taken and say who holds it."""
+        record = json.dumps(
+            {
+                "owner": self.options.owner,
+                "pid": self.options.owner.rsplit(" ", 1)[-1],
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "topology": self.topology.name,
+                "generation": self.plan.generation,
+            }
+        )
+        command = (
+            f"mkdir -p {STATE_DIR} && ( set -C; printf '%s\\n' {shlex.quote(record)} > {LOCK_PATH} ) 2>/dev/null "
+            f"|| {{ cat {LOCK_PATH}; exit 3; }}"
+        )
+
+        def one(hp: HostPlan) -> str | None:
+            try:
+                result = self.conns[hp.host].run(command)
+            except ConnectorError as exc:
+                return exc.reason
+            if result.exited == 0:
+                self.locked.add(hp.host)
+                return None
+            try:
+                held = json.loads(result.stdout.strip().splitlines()[-1])
+                return f"lock: another apply holds it: {held.get('owner')} since {held.get('started')} (topology {held.get('topology')})"
+            except (ValueError, IndexError, AttributeError):
+                return f"lock: {LOCK_PATH} could not be taken: {(result.stderr or result.stdout).strip()[-200:]}"
+
+        results = for_each_host(hosts, one, self.options.parallel)
+        refused = [f"{hp.host}: {why}" for hp, why in zip(hosts, results, strict=True) if why]
+        if refused:
+            self.unlock_all()
+        return refused
+
+    def unlock_all(self) -> None:
+        owner = shlex.quote(f'"owner": {json.dumps(self.options.owner)}')
+
+        def one(host: str) -> None:
+            try:
+                self.conns[host].run(f"grep -qF {owner} {LOCK_PATH} 2>/dev/null && rm -f {LOCK_PATH}; true")
+            except ConnectorError as exc:
+                self.progress(host, f"could not release the lock ({exc.reason}); `apply --force-unlock` removes it")
+
+        for_each_host(sorted(self.locked), one, self.options.parallel)
+        self.locked.clear()
+
+    # ---- per-host phases -------------------------------------------------------------------------------------------
+    def install(self, hp: HostPlan) -> None:
+        for op in hp.operations:
+            if isinstance(op, ops.InstallSystemPackages):
+                self.progress(hp.host, ops.describe(op))
+                run_checked(self.conns[hp.host], op.command(), INSTALL_TIMEOUT)
+            elif isinstance(op, ops.InstallPackages):
+                self.install_packages(hp, op)
+
+    def install_packages(self, hp: HostPlan, op: ops.InstallPackages) -> None:
         """Bootstrap: push missing wheels, make/upgrade the venv, install, verify imports and versions, record bpdkv."""
-        if not hp.installs:
-            return
         if self.packages is None:
-            raise RemoteError(hp.host, "packages must be installed but no package source was prepared")
+            raise ConnectorError(hp.host, "packages must be installed but no package source was prepared")
         conn = self.conns[hp.host]
-        node = self.node(hp)
-        facts = self.node_facts.get(hp.host)
+        node = next(n for n in self.topology.nodes if n.name == hp.host)
+        facts = self.facts.get(hp.host)
         have = facts.wheelhouse if facts else {}
-        run(conn, hp.host, f"mkdir -p {NODE_WHEELHOUSE}", self.options.ssh)
+        run_checked(conn, f"mkdir -p {NODE_WHEELHOUSE}")
         pushed = 0
         for name, local in sorted(self.packages.files.items()):
             if have.get(name) == local.stat().st_size and name != self.packages.bpdkv_wheel:
                 continue  # already there (wheel names carry versions; bpdkv's own is rebuilt under one name)
-            try:
-                conn.put(str(local), remote=f"{NODE_WHEELHOUSE}/{name}")
-            except Exception as exc:  # noqa: BLE001 - paramiko/sftp raise many kinds; one line about this host
-                raise RemoteError(hp.host, f"upload of {name} failed: {exc}") from None
+            conn.put(local.read_bytes(), f"{NODE_WHEELHOUSE}/{name}")
             pushed += 1
-        self.progress(hp.host, f"pushed {pushed} wheel(s); installing " + ", ".join(p.line for p in hp.packages if p.action != "none"))
+        self.progress(hp.host, f"pushed {pushed} wheel(s); installing " + ", ".join(op.lines))
         wheel = f"{NODE_WHEELHOUSE}/{self.packages.bpdkv_wheel}"
         command = install_command(self.topology, node, wheel, self.packages.offline)
-        slow = SshOptions(self.options.ssh.accept_new_host_keys, max(self.options.ssh.command_timeout, INSTALL_TIMEOUT))
-        code, out, err = run(conn, hp.host, "sh -c " + shlex.quote(command), slow, check=False)
-        lines = out.strip().splitlines()
+        result = conn.run("sh -c " + shlex.quote(command), INSTALL_TIMEOUT)
+        lines = result.stdout.strip().splitlines()
         try:
-            report = json.loads(lines[-1]) if code == 0 and lines else None
+            report = json.loads(lines[-1]) if result.exited == 0 and lines else None
         except ValueError:
             report = None
         if report is None:
-            tail = (err or out).strip().splitlines()
-            raise RemoteError(hp.host, f"package install failed (exit {code}): {tail[-1] if tail else 'no output'}")
+            tail = (result.stderr or result.stdout).strip().splitlines()
+            raise ConnectorError(hp.host, f"package install failed (exit {result.exited}): {tail[-1] if tail else 'no output'}")
         problems = check_installed(self.topology, node, report)
         if problems:
-            raise RemoteError(hp.host, "installed packages do not verify: " + "; ".join(problems))
-        venv = shlex.quote(self.topology.vllm.venv)
-        run(conn, hp.host, f"echo {source_digest()} > {venv}/{SOURCE_MARKER}", self.options.ssh)
+            raise ConnectorError(hp.host, "installed packages do not verify: " + "; ".join(problems))
+        run_checked(conn, f"echo {source_digest()} > {shlex.quote(self.topology.vllm.venv)}/{SOURCE_MARKER}")
         self.progress(hp.host, "verified: " + ", ".join(f"{k} {v}" for k, v in sorted(report.get("versions", {}).items())))
 
-    def write_files(self, hp: HostPlan) -> None:
-        """Three round trips per host whatever the file count: back up + make folders, upload temps, rename all."""
-        conn = self.conns[hp.host]
-        opts = self.options.ssh
-        changed = [f for f in hp.files if f.action != "none"]
-        backup = f"{BACKUP_DIR}/{self.plan.generation}"
-        self.backups[hp.host] = backup
+    def stop_removed(self, hp: HostPlan) -> None:
+        for op in hp.operations:
+            if isinstance(op, ops.StopUnit):
+                self.conns[hp.host].run(op.command())
+                self.progress(hp.host, f"stopped {op.unit}")
+
+    def stage(self, hp: HostPlan) -> None:
+        """Upload every new file beside its target under a temp name; nothing the host runs changes yet."""
+        uploads = [op for op in hp.operations if isinstance(op, ops.UploadFile)]
         contents = {a.path: a for a in self.artifacts if a.host == hp.host}
-        writes = [f for f in changed if f.action != "delete"]
-        # Previous versions first, so a failed gate can put them back.
-        script = [f"mkdir -p {shlex.quote(backup)}"]
-        for f in changed:
-            q = shlex.quote(f.path)
-            script.append(
-                f"if [ -e {q} ]; then mkdir -p {shlex.quote(backup + f.path.rsplit('/', 1)[0])} && cp -p {q} {shlex.quote(backup + f.path)}; "
-                f"else echo {q} >> {shlex.quote(backup + '/.created')}; fi"
-            )
-        parents = sorted(
-            {f.path.rsplit("/", 1)[0] or "/" for f in writes} | {f"{STATE_DIR}/{u.instance}" for u in hp.units if u.action != "stop"}
-        )
-        if parents:
-            script.append("mkdir -p " + " ".join(shlex.quote(d) for d in parents))
-        run(conn, hp.host, " && ".join(["true"] + [f"{{ {line}; }}" for line in script]), opts)
-        for f in writes:
-            art = contents[f.path]
-            try:
-                conn.put(io.BytesIO(art.content.encode()), remote=f.path + TMP_SUFFIX)
-            except Exception as exc:  # noqa: BLE001 - paramiko/sftp raise many kinds; one line about this host
-                raise RemoteError(hp.host, f"upload of {f.path} failed: {exc}") from None
-        # Renames are atomic per file: a target is always the old or the new version, never a partial one.
-        final = []
-        for f in changed:
-            q = shlex.quote(f.path)
-            if f.action == "delete":
-                final.append(f"rm -f {q}")
-            else:
-                tmp = shlex.quote(f.path + TMP_SUFFIX)
-                final.append(f"chmod {contents[f.path].mode:o} {tmp} && mv -f {tmp} {q}")
-        if final:
-            run(conn, hp.host, " && ".join(final), opts)
-        for f in changed:
-            self.outcomes[hp.host].files_written += 1
-            self.progress(hp.host, f"{f.symbol} {f.path}")
-        units = [u.unit for u in hp.units if u.action in ("start", "restart")]
-        if hp.daemon_reload:
-            run(conn, hp.host, "systemctl daemon-reload >/dev/null 2>&1", opts, check=False)
-        if units:
-            run(conn, hp.host, "systemctl enable " + " ".join(shlex.quote(u) for u in units) + " >/dev/null 2>&1", opts, check=False)
-
-    def stop_units(self, hp: HostPlan) -> None:
-        for u in hp.units:
-            if u.action == "stop":
-                run(
-                    self.conns[hp.host],
-                    hp.host,
-                    stop_and_disable(u.unit),
-                    self.options.ssh,
-                    check=False,
-                )
-                self.progress(hp.host, f"stopped {u.unit}")
-
-    def start_unit(self, hp: HostPlan, u: UnitAction) -> str | None:
-        """Start/restart one unit and gate on health; return the failure text, or None."""
         conn = self.conns[hp.host]
-        verb = "restart" if u.action == "restart" else "start"
-        code, out, err = run(conn, hp.host, f"systemctl {verb} {shlex.quote(u.unit)}", self.options.ssh, check=False)
-        if code != 0:
-            return f"systemctl {verb} exited {code}: {(err or out).strip()[-300:]}"
-        self.progress(hp.host, f"{verb}ed {u.unit}; waiting for health")
-        timeout = self.options.start_timeout or float(self.topology.vllm.start_timeout)
-        if u.port is None:
-            return None
-        failure = health_gate(hp.address, u.port, timeout)
-        if failure:
-            return f"health gate failed after {timeout:g}s ({failure})"
-        node = self.node(hp)
-        if node.efa_devices > 0 and u.role in ("prefill", "decode") and self.topology.kv_transfer.backend == "LIBFABRIC":
-            problem = efa.check_log(self.last_log_lines(hp, u.unit, n=3000))
-            if problem:
-                return f"EFA check failed: {problem}"
-            self.progress(hp.host, f"{u.unit}: NIXL uses LIBFABRIC on EFA")
-        self.outcomes[hp.host].units_restarted.append(u.unit)
+        # Folders for the files and each started unit's working directory (WorkingDirectory= must exist).
+        parents = {op.path.rsplit("/", 1)[0] or "/" for op in uploads}
+        parents |= {f"{STATE_DIR}/{op.instance}" for op in hp.operations if isinstance(op, ops.StartUnit)}
+        if parents:
+            run_checked(conn, "mkdir -p " + " ".join(shlex.quote(d) for d in sorted(parents)))
+        secret_temps = " ".join(shlex.quote(op.path + TMP_SUFFIX) for op in uploads if op.secret)
+        if secret_temps:  # made 0600 before the upload fills them: a secret is never readable by others, not even briefly
+            run_checked(conn, f'umask 077 && for f in {secret_temps}; do rm -f "$f" && : > "$f"; done')
+        try:
+            for op in uploads:
+                art = contents.get(op.path)
+                data = art.content.encode() if art else b""
+                if art is None or sha256(data).hexdigest() != op.sha256:
+                    raise PlanMismatch(f"{hp.host}: {op.path}: the rendered file is not the one the plan holds (sha256 differs)")
+                conn.put(data, op.path + TMP_SUFFIX)
+        except BaseException:
+            self.remove_temps(hp)
+            raise
+
+    def remove_temps(self, hp: HostPlan) -> None:
+        temps = [shlex.quote(op.path + TMP_SUFFIX) for op in hp.operations if isinstance(op, ops.UploadFile)]
+        temps.append(shlex.quote(MANIFEST_PATH + TMP_SUFFIX))
+        if temps:
+            try:
+                self.conns[hp.host].run("rm -f " + " ".join(temps))
+            except ConnectorError as exc:
+                self.progress(hp.host, f"could not remove temp files ({exc.reason})")
+
+    def commit(self, hp: HostPlan) -> None:
+        """Back up every file about to change, then rename the staged files into place, in one shell script that puts the
+        previous files back itself if any step fails (and marks the host dirty if even that fails)."""
+        changes = [op for op in hp.operations if isinstance(op, ops.UploadFile | ops.DeleteFile)]
+        conn = self.conns[hp.host]
+        if changes:
+            script = commit_script(self.backup, changes)
+            self.committed.add(hp.host)  # from here on, a failure restores the backup
+            result = conn.run(script)
+            if result.exited != 0:
+                said = (result.stderr or result.stdout).strip().splitlines()
+                detail = said[-1] if said else f"exit {result.exited}"
+                if result.exited == 2:
+                    self.committed.discard(hp.host)
+                    out = self.outcome(hp.host)
+                    out.status, out.message = (
+                        HostStatus.DIRTY,
+                        f"commit failed and the previous files could not be restored: {plain_errno(detail)}",
+                    )
+                    return
+                self.committed.discard(hp.host)  # the script restored the previous files itself
+                raise ConnectorError(hp.host, f"commit of new files failed (previous files restored): {plain_errno(detail)}")
+            self.outcome(hp.host).files_written = len(changes)
+            for change in changes:
+                self.progress(hp.host, f"{'-' if isinstance(change, ops.DeleteFile) else '+'} {change.path}")
+        if any(isinstance(op, ops.DaemonReload) for op in hp.operations):
+            conn.run(ops.DaemonReload().command())
+
+    def finish(self, hp: HostPlan) -> None:
+        """Last: clean-up commands (destroy) and the manifest, which records what the host now runs."""
+        for op in hp.operations:
+            if isinstance(op, ops.RunCommand):
+                run_checked(self.conns[hp.host], op.command)
+                self.progress(hp.host, op.description)
+            elif isinstance(op, ops.WriteManifest):
+                self.write_manifest(hp, op)
+        self.outcome(hp.host).status = HostStatus.APPLIED
+
+    def write_manifest(self, hp: HostPlan, op: ops.WriteManifest) -> None:
+        manifest = manifest_for(self.topology, hp.host, self.artifacts, self.plan.generation)
+        if sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest() != op.sha256:
+            raise PlanMismatch(f"{hp.host}: the manifest differs from the one the plan holds")
+        conn = self.conns[hp.host]
+        run_checked(conn, f"mkdir -p {shlex.quote(MANIFEST_PATH.rsplit('/', 1)[0])}")
+        conn.put((json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(), MANIFEST_PATH + TMP_SUFFIX)
+        run_checked(
+            conn,
+            f"mv -f {MANIFEST_PATH}{TMP_SUFFIX} {MANIFEST_PATH} && rm -f {DIRTY_PATH} && "
+            f'{{ [ -d {BACKUP_DIR} ] && ls -1t {BACKUP_DIR} | tail -n +{KEEP_BACKUPS + 1} | while read -r d; do rm -rf {BACKUP_DIR}/"$d"; done; true; }}',
+        )
+
+    # ---- units -----------------------------------------------------------------------------------------------------
+    def unit_steps(self, role: str) -> list[tuple[HostPlan, list[ops.Operation]]]:
+        """Per unit of `role`: its drain, start, gate and undrain operations, in plan order."""
+        steps: list[tuple[HostPlan, list[ops.Operation]]] = []
+        for hp in self.plan.hosts:
+            current: list[ops.Operation] | None = None
+            for op in hp.operations:
+                if isinstance(op, ops.Drain) or (isinstance(op, ops.StartUnit) and not (current and isinstance(current[-1], ops.Drain))):
+                    current = [op]
+                    steps.append((hp, current))
+                elif isinstance(op, ops.StartUnit | ops.HealthGate | ops.Undrain) and current is not None:
+                    current.append(op)
+                else:
+                    current = None
+        return [(hp, step) for hp, step in steps if any(isinstance(op, ops.StartUnit) and op.role == role for op in step)]
+
+    def run_unit(self, hp: HostPlan, step: list[ops.Operation]) -> str | None:
+        """Drain, (re)start, gate, undrain. Returns why it failed, or None. ConnectorErrors propagate."""
+        for op in step:
+            if isinstance(op, ops.Drain):
+                self.drain(op)
+                self.progress(hp.host, f"drained {op.instance}")
+            elif isinstance(op, ops.StartUnit):
+                self.started.setdefault(hp.host, []).append(op)
+                result = self.conns[hp.host].run(op.command())
+                if result.exited != 0:
+                    return f"{op.unit}: systemctl {'restart' if op.restart else 'start'} exited {result.exited}: {(result.stderr or result.stdout).strip()[-300:]}"
+                self.progress(hp.host, f"{'restarted' if op.restart else 'started'} {op.unit}; waiting for health")
+            elif isinstance(op, ops.HealthGate):
+                role = next(i.role for _, i in self.topology.instances() if i.name == op.instance)
+                base, paths = health_probe(role, self.topology.router, op.address, op.port)  # HTTPS / keyed routers
+                answer = probe(self.conns[hp.host], base, paths, op.timeout)
+                if answer.failure:
+                    return f"{op.unit}: health gate failed after {op.timeout:g}s ({answer.failure})"
+                if op.efa_check:
+                    problem = efa.check_log(self.last_log_lines(hp, op.unit, n=3000))
+                    # Beyond the log: what the unit's processes really mapped (plugin, libfabric) and their memlock.
+                    problem = problem or efa.check_processes(self.conns[hp.host].run(efa.process_command(op.unit)).stdout)
+                    if problem:
+                        return f"{op.unit}: EFA check failed: {problem}"
+                self.outcome(hp.host).units_restarted.append(op.unit)
+            elif isinstance(op, ops.Undrain):
+                self.admin(op.router_host, op.router_port, op.instance, "undrain")
+                self.progress(hp.host, f"undrained {op.instance}")
         return None
+
+    def admin(self, router_host: str, port: int, instance: str, action: str) -> dict[str, Any]:
+        """One call to the router's admin API, made on the router node (jump hosts and private subnets work)."""
+        conn = self.conns.get(router_host)
+        if conn is None:
+            raise ConnectorError(router_host, f"router admin API: no connection to the router node to {action} {instance}")
+        path = f"/admin/upstreams/{instance}/{action}" if action else "/admin/upstreams"
+        answer = probe(
+            conn,
+            router_base(self.topology.router, "127.0.0.1", port),
+            [path],
+            10.0,
+            method="POST" if action else "GET",
+            once=True,
+            bearer_file=self.topology_admin_key_file(),
+        )
+        if answer.failure:
+            raise ConnectorError(router_host, f"router admin API {action or 'list'} of {instance} failed: {answer.failure}")
+        try:
+            data: dict[str, Any] = json.loads(answer.body)
+        except ValueError:
+            raise ConnectorError(router_host, f"router admin API {action or 'list'} answered no JSON: {answer.body[:120]!r}") from None
+        return data
+
+    def topology_admin_key_file(self) -> str | None:
+        value = getattr(self.topology.router, "admin_key_file", None)
+        return value if isinstance(value, str) else None
+
+    def drain(self, op: ops.Drain) -> None:
+        self.admin(op.router_host, op.router_port, op.instance, "drain")
+        deadline = time.monotonic() + self.options.drain_timeout
+        while True:
+            listing = self.admin(op.router_host, op.router_port, op.instance, "")
+            state = next((u.get("state") for u in listing.get("upstreams", []) if u.get("name") == op.instance), None)
+            if state in ("drained", "unhealthy"):
+                return
+            if state is None:
+                raise ConnectorError(op.router_host, f"router admin API does not list {op.instance}")
+            if time.monotonic() >= deadline:
+                raise ConnectorError(op.router_host, f"{op.instance} still {state} after {self.options.drain_timeout:g}s of draining")
+            time.sleep(0.2)
 
     def last_log_lines(self, hp: HostPlan, unit: str, n: int = 15) -> str:
         cmd = (
@@ -261,114 +466,163 @@ class Executor:
             f"systemctl status {shlex.quote(unit)} 2>&1 | tail -n 5"
         )
         try:
-            _, out, _ = run(self.conns[hp.host], hp.host, cmd, self.options.ssh, check=False)
-        except RemoteError:
+            return self.conns[hp.host].run(cmd).stdout.strip()
+        except ConnectorError:
             return ""
-        return out.strip()
 
-    def rollback(self, hp: HostPlan) -> None:
-        """Put the previous files back (or remove files this run created), reload, restart the old units."""
-        conn = self.conns[hp.host]
-        backup = self.backups.get(hp.host)
-        if not backup:
-            return
-        script = (
-            f"cd {shlex.quote(backup)} && "
-            'find . -type f ! -name .created | while read -r f; do p=${f#.}; cp -p "$f" "$p"; done; '
-            'if [ -f .created ]; then while read -r p; do rm -f "$p"; done < .created; fi'
-        )
-        run(conn, hp.host, script, self.options.ssh, check=False)
-        run(conn, hp.host, "systemctl daemon-reload", self.options.ssh, check=False)
-        for u in hp.units:
-            if u.action in ("start", "restart"):
-                if u.reason == "new instance":
-                    run(
-                        conn,
-                        hp.host,
-                        stop_and_disable(u.unit),
-                        self.options.ssh,
-                        check=False,
-                    )
-                else:
-                    run(conn, hp.host, f"systemctl restart {shlex.quote(u.unit)}", self.options.ssh, check=False)
-        self.progress(hp.host, "rolled back to the previous files and units")
-
-    def write_manifest(self, hp: HostPlan) -> None:
-        manifest = manifest_for(self.topology, hp.host, self.artifacts, self.plan.generation)
-        _put_atomic(
-            self.conns[hp.host], hp.host, MANIFEST_PATH, json.dumps(manifest, indent=2, sort_keys=True) + "\n", 0o644, self.options.ssh
-        )
-        keep = KEEP_BACKUPS
-        run(
-            self.conns[hp.host],
-            hp.host,
-            f'[ -d {BACKUP_DIR} ] && ls -1t {BACKUP_DIR} | tail -n +{keep + 1} | while read -r d; do rm -rf {BACKUP_DIR}/"$d"; done; true',
-            self.options.ssh,
-            check=False,
-        )
-
-    def fail(self, hp: HostPlan, status: str, message: str) -> None:
-        out = self.outcomes[hp.host]
-        out.status = status
-        out.message = message
-
-
-def execute(executor: Executor, for_each: Callable[[list[Any], Callable[[Any], Any]], list[Any]]) -> dict[str, HostOutcome]:
-    """Phases across hosts: stops, files (parallel), then unit waves per role, manifests last."""
-    plan = executor.plan
-    live = [h for h in plan.hosts if h.reachable and h.host in executor.conns]
-    for h in plan.hosts:
-        if not h.reachable or h.host not in executor.conns:
-            executor.fail(h, "unreachable", h.error or "not connected")
-
-    def guarded(step: Callable[[HostPlan], Any]) -> Callable[[HostPlan], Any]:
-        def inner(hp: HostPlan) -> Any:
-            if executor.outcomes[hp.host].status in ("failed", "rolled back", "unreachable"):
-                return None
+    # ---- rollback --------------------------------------------------------------------------------------------------
+    def rollback(self, hosts: list[HostPlan], why: str) -> None:
+        """Previous files back, daemon-reload, the units this run started restarted on them (new ones stopped)."""
+        for hp in hosts:
+            out = self.outcome(hp.host)
             try:
-                return step(hp)
-            except RemoteError as exc:
-                executor.fail(hp, "failed", exc.reason)
-            return None
+                conn = self.conns[hp.host]
+                if hp.host in self.committed:
+                    result = conn.run(restore_script(self.backup))
+                    if result.exited != 0:
+                        raise ConnectorError(hp.host, f"restore failed: {(result.stderr or result.stdout).strip()[-200:]}")
+                    conn.run("systemctl daemon-reload >/dev/null 2>&1")
+                    self.committed.discard(hp.host)
+                for started in self.started.pop(hp.host, []):
+                    conn.run(ops.stop_and_disable(started.unit) if started.new else f"systemctl restart {shlex.quote(started.unit)}")
+                for undrain in hp.operations:
+                    if isinstance(undrain, ops.Undrain):
+                        try:
+                            self.admin(undrain.router_host, undrain.router_port, undrain.instance, "undrain")
+                        except ConnectorError:
+                            pass  # the instance may never have been drained; the failure itself is already reported
+            except Exception as exc:  # noqa: BLE001 - whatever stopped the restore, the host must be recorded dirty
+                out.status = HostStatus.DIRTY
+                out.message = f"{why}; rollback failed ({type(exc).__name__}: {exc}); the next plan shows the repair"
+                self.mark_dirty(hp, out.message)
+                continue
+            if out.status is not HostStatus.DIRTY:
+                out.status = HostStatus.ROLLED_BACK
+                out.message = why if why.endswith("previous generation") else f"{why}; rolled back to the previous files and units"
+            self.progress(hp.host, "rolled back to the previous files and units")
 
-        return inner
+    def mark_dirty(self, hp: HostPlan, message: str) -> None:
+        try:
+            self.conns[hp.host].run(f"mkdir -p /etc/bpdkv && printf '%s\\n' {shlex.quote(message[:300])} > {DIRTY_PATH}")
+        except Exception:  # noqa: BLE001 - the host is down; its manifest still disagrees with its files, which plan sees
+            pass
 
-    # Packages first: a host whose install fails keeps its old files and units (nothing half-deployed).
-    for_each([h for h in live if h.installs], guarded(executor.install_packages))
-    for_each([h for h in live if h.changed], guarded(executor.stop_units))
-    for_each([h for h in live if h.changed], guarded(executor.write_files))
+    # ---- the whole run ---------------------------------------------------------------------------------------------
+    def run(self) -> Report:
+        live = [h for h in self.plan.hosts if h.changed and not h.skipped]
+        for h in self.plan.hosts:
+            if h.skipped:
+                self.outcome(h.host).status = HostStatus.SKIPPED
+        if not live:
+            return self.report
+        refused = self.lock_all(live)
+        if refused:
+            self.report.problems = refused
+            for h in live:
+                self.outcome(h.host).status = HostStatus.NOT_STARTED
+            return self.report
+        try:
+            self._run(live)
+        finally:
+            for h in live:
+                if h.host in self.committed and self.outcome(h.host).status is HostStatus.FAILED:
+                    self.rollback([h], self.outcome(h.host).message)
+            for_each_host(live, self.remove_temps, self.options.parallel)
+            self.unlock_all()
+        return self.report
 
-    # Waves by role; within a role at most max_unavailable units restart at once (across hosts).
-    for role in ("prefill", "decode", "router"):
-        todo = [(h, u) for h in live for u in h.units if u.role == role and u.action in ("start", "restart")]
-        size = max(1, executor.options.max_unavailable)
-        for start in range(0, len(todo), size):
-            batch = [(h, u) for h, u in todo[start : start + size] if executor.outcomes[h.host].status not in ("failed", "rolled back")]
-            results = for_each(batch, lambda pair: _start(executor, *pair))
-            for (h, u), failure in zip(batch, results, strict=True):
-                if isinstance(failure, RemoteError):
-                    executor.fail(h, "failed", failure.reason)
-                elif failure:
-                    logs = executor.last_log_lines(h, u.unit)
-                    executor.rollback(h)
-                    tail = " | ".join(line for line in logs.splitlines()[-5:] if line.strip())
-                    executor.fail(
-                        h,
-                        "rolled back",
-                        f"{u.unit}: {failure}; rolled back to previous files" + (f"; last log lines: {tail}" if tail else ""),
-                    )
+    def _run(self, live: list[HostPlan]) -> None:
+        parallel = self.options.parallel
+        # Packages first: a host whose install fails keeps its old files and units (nothing half-deployed).
+        for_each_host(live, self.guarded(self.install), parallel)
+        for_each_host(live, self.guarded(self.stop_removed), parallel)
+        for_each_host(live, self.guarded(self.stage), parallel)
+        for_each_host(live, self.guarded(self.commit), parallel)
+        group = set(self.plan.group)
+        for role in ("prefill", "decode", "router"):
+            steps = [(hp, step) for hp, step in self.unit_steps(role) if any(h.host == hp.host for h in live)]
+            size = max(1, self.options.max_unavailable)
+            for start in range(0, len(steps), size):
+                batch = [(hp, step) for hp, step in steps[start : start + size] if self.alive(hp.host)]
+                results = for_each_host(batch, self._guarded_unit, parallel)
+                for (hp, _), failure in zip(batch, results, strict=True):
+                    if failure is None:
+                        continue
+                    if hp.host in group:
+                        self.fail_generation([h for h in live if h.host in group], hp, failure)
+                    else:
+                        logs = self.last_log_lines(hp, _unit(_))
+                        tail = " | ".join(line for line in logs.splitlines()[-5:] if line.strip())
+                        self.fail(hp, failure + (f"; last log lines: {tail}" if tail else ""))
+        for_each_host([h for h in live if self.alive(h.host)], self.guarded(self.finish), parallel)
 
-    def finish(hp: HostPlan) -> None:
-        executor.write_manifest(hp)
-        out = executor.outcomes[hp.host]
-        out.status = "applied" if hp.changed else "unchanged"
+    def _guarded_unit(self, pair: tuple[HostPlan, list[ops.Operation]]) -> str | None:
+        hp, step = pair
+        try:
+            return self.run_unit(hp, step)
+        except ConnectorError as exc:
+            return exc.reason
+        except Exception as exc:  # noqa: BLE001 - a bug: this unit failed; the traceback goes to the log
+            log.error("%s: internal error\n%s", hp.host, traceback.format_exc())
+            self.outcome(hp.host).traceback = traceback.format_exc()
+            return f"internal error ({type(exc).__name__}: {exc}); traceback in the log"
 
-    for_each([h for h in live if executor.outcomes[h.host].status not in ("failed", "rolled back")], guarded(finish))
-    return executor.outcomes
+    def fail_generation(self, members: list[HostPlan], failed: HostPlan, why: str) -> None:
+        """A P/D generation fails as one: every member goes back to the previous files and units, together."""
+        message = f"{failed.host}: {why}"
+        for hp in members:
+            out = self.outcome(hp.host)
+            if out.status is HostStatus.DIRTY:
+                continue
+            out.status = HostStatus.FAILED
+            out.message = message if hp is failed else f"generation rolled back because {message}"
+        self.rollback(members, message + "; P/D generation back on the previous generation")
 
 
-def _start(executor: Executor, hp: HostPlan, unit: UnitAction) -> str | RemoteError | None:
-    try:
-        return executor.start_unit(hp, unit)
-    except RemoteError as exc:
-        return exc
+def _unit(step: list[ops.Operation]) -> str:
+    return next(op.unit for op in step if isinstance(op, ops.StartUnit))
+
+
+def commit_script(backup: str, changes: Sequence[ops.UploadFile | ops.DeleteFile]) -> str:
+    """Shell: back up, rename staged files into place; on any failure restore everything (exit 1), and if the restore
+    fails too, write the dirty marker (exit 2). Paths are quoted; one round trip."""
+    b = shlex.quote(backup)
+    lines = [
+        "set -u",
+        f"B={b}",
+        f'rm -rf "$B" && mkdir -p "$B" || {{ echo "cannot make backup folder {backup}" >&2; exit 1; }}',
+        restore_function(),
+        'fail() { echo "$1" >&2; if restore; then rm -f '
+        + " ".join(shlex.quote(c.path + TMP_SUFFIX) for c in changes if isinstance(c, ops.UploadFile))
+        + "; exit 1; "
+        f'else mkdir -p /etc/bpdkv; echo "commit failed and restore failed: $1" > {DIRTY_PATH}; exit 2; fi; }}',
+    ]
+    for c in changes:
+        q = shlex.quote(c.path)
+        lines.append(
+            f'if [ -e {q} ]; then mkdir -p "$B"{shlex.quote(c.path.rsplit("/", 1)[0] or "/")} && cp -p {q} "$B"{q} '
+            f'|| fail "backup of {c.path}: $(cp -p {q} "$B"{q} 2>&1)"; else echo {q} >> "$B/.created"; fi'
+        )
+    for c in changes:
+        q = shlex.quote(c.path)
+        if isinstance(c, ops.UploadFile):
+            tmp = shlex.quote(c.path + TMP_SUFFIX)
+            lines.append(f'err=$( {{ chmod {c.mode:o} {tmp} && mv -f {tmp} {q}; }} 2>&1) || fail "{c.path}: $err"')
+        else:
+            lines.append(f'err=$(rm -f {q} 2>&1) || fail "{c.path}: $err"')
+    lines.append('touch "$B/.complete"')
+    return "\n".join(lines)
+
+
+def restore_function() -> str:
+    """`restore`: every backed-up file back by copy + rename (never half-written), every created file removed."""
+    return (
+        'restore() { ok=0; cd "$B" || return 1; '
+        "for f in $(find . -type f ! -name .created ! -name .complete); do p=${f#.}; "
+        'cp -p "$f" "$p.bpdkv-old" && mv -f "$p.bpdkv-old" "$p" || ok=1; done; '
+        'if [ -f .created ]; then while read -r p; do rm -f "$p" || ok=1; done < .created; fi; cd /; return $ok; }'
+    )
+
+
+def restore_script(backup: str) -> str:
+    return "\n".join(["set -u", f"B={shlex.quote(backup)}", restore_function(), "restore"])

@@ -3,6 +3,9 @@
 
 Started by the rendered launch script as `$VENV/bin/python -m vllm... --port N` or `$VENV/bin/bpdkv router --config F`.
 FAKE_VERSION (env) is reported in /version; FAKE_HEALTH=fail makes /health answer 503 (a failed health gate).
+As the router it also answers the admin API (GET /admin/upstreams, POST .../drain|undrain) for the names in its
+config, and appends each admin call to /var/log/fake-router-admin.log so tests can check the order of drains and
+restarts. FAKE_ADMIN=fail (router env) makes every admin call answer 500.
 """
 
 import json
@@ -13,11 +16,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 args = sys.argv[1:]
 port = None
+upstreams = {}
 if "--port" in args:
     port = int(args[args.index("--port") + 1])
 elif "--config" in args:
     text = open(args[args.index("--config") + 1]).read()
     port = int(re.search(r"^port: (\d+)", text, re.M).group(1))
+    role = None
+    for line in text.splitlines():
+        if line in ("prefill:", "decode:"):
+            role = line[:-1]
+        elif role and line.startswith("- name: "):
+            upstreams[line[len("- name: ") :]] = {"name": line[len("- name: ") :], "role": role, "url": "", "state": "serving", "in_flight": 0}
+        elif not line.startswith(" "):
+            role = None
 if port is None:
     sys.exit("fake_vllm: no --port")
 
@@ -29,6 +41,8 @@ class Handler(BaseHTTPRequestHandler):
             body = b"{}"
         elif self.path == "/v1/models":
             code, body = 200, json.dumps({"object": "list", "data": [{"id": "fake"}]}).encode()
+        elif self.path == "/admin/upstreams" and upstreams:
+            code, body = self.admin(200, {"upstreams": list(upstreams.values())})
         elif self.path == "/version":
             code, body = 200, os.environ.get("FAKE_VERSION", "none").encode()
         else:
@@ -37,6 +51,27 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        match = re.fullmatch(r"/admin/upstreams/([^/]+)/(drain|undrain)", self.path)
+        if not match or not upstreams:
+            code, body = 404, b"{}"
+        elif match.group(1) not in upstreams:
+            code, body = self.admin(404, {"error": "unknown upstream"})
+        else:
+            upstreams[match.group(1)]["state"] = "drained" if match.group(2) == "drain" else "serving"
+            code, body = self.admin(200, upstreams[match.group(1)])
+            with open("/var/log/fake-router-admin.log", "a") as fh:
+                fh.write(f"{match.group(2)} {match.group(1)}\n")
+        self.send_response(code)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def admin(self, code, data):
+        if os.environ.get("FAKE_ADMIN") == "fail":
+            return 500, b'{"error": "injected"}'
+        return code, json.dumps(data).encode()
 
     def log_message(self, *a):
         pass

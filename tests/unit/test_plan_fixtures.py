@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from bpdkv.deploy.bootstrap import source_digest, wanted_versions
+from bpdkv.deploy.facts import DiskSpace, HostFacts, Listener
+from bpdkv.deploy.operations import describe
 from bpdkv.deploy.planner import compat_fingerprint, make_plan
-from bpdkv.deploy.remote import HostFacts
 from bpdkv.render import render_topology
 from bpdkv.topology.loader import load_topology
 from tests.conftest import DATA, ROOT
@@ -71,16 +72,22 @@ def _resolve(fixture: dict[str, Any]) -> dict[str, HostFacts]:
             f.get("units", {}),
             versions=versions,
             bpdkv_source=source_digest() if source == "@current" else source,
+            lock=f.get("lock"),
+            dirty=f.get("dirty"),
+            disk=[DiskSpace(d["path"], d["free_bytes"], d.get("read_only", False)) for d in f.get("disk", [])],
+            listeners=[Listener(p["port"], "0.0.0.0", p.get("process", ""), p.get("pid")) for p in f.get("listeners", [])],
         )
     return facts
 
 
 def _summary(fixture: dict[str, Any]) -> dict[str, Any]:
     topology = load_topology(ROOT / fixture["topology"]).topology
-    plan = make_plan(topology, render_topology(topology), _resolve(fixture))
+    plan = make_plan(topology, render_topology(topology), _resolve(fixture), tuple(fixture.get("limit", ())), fixture.get("owner"))
     return {
         "exit_code": plan.exit_code,
         "compat_break": plan.compat_break,
+        "group": plan.group,
+        "problems": [p.line() for p in plan.problems],
         "hosts": {
             h.host: {
                 "reachable": h.reachable,
@@ -88,11 +95,23 @@ def _summary(fixture: dict[str, Any]) -> dict[str, Any]:
                 "daemon_reload": h.daemon_reload,
                 "units": {u.unit: f"{u.action}: {u.reason}".replace(source_digest(), "@current") for u in h.units},
                 "packages": [f"{p.action} {p.line}".replace(source_digest(), "@current") for p in h.packages if p.action != "none"],
+                "repair": h.repair,
+                "skipped": h.skipped,
+                # sha256 of rendered content changes with templates: fixtures keep the operation, not the hash.
+                "operations": [_stable(describe(op)) for op in h.operations],
             }
             for h in plan.hosts
         },
         "waves": [[w["role"], w["units"]] for w in plan.waves],
     }
+
+
+def _stable(line: str) -> str:
+    import re
+
+    return re.sub(r"sha256 [0-9a-f]{12}", "sha256 @rendered", re.sub(r"generation [0-9a-f]{12}", "generation @current", line)).replace(
+        source_digest(), "@current"
+    )
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem)

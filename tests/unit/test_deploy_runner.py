@@ -1,0 +1,187 @@
+"""The runner without hosts: a recording connector proves a saved plan runs exactly its operations, saved plans are
+refused when the CLI build or the facts differ, and a bug (not a transport error) fails the host, never "applied"."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bpdkv.deploy import operations as ops
+from bpdkv.deploy.connectors import CommandResult, ConnectorError
+from bpdkv.deploy.facts import MARKER
+from bpdkv.deploy.fleet import StalePlan, apply_plan, check_saved_plan, load_fleet, load_saved_plan, plan_fleet, save_plan
+from bpdkv.deploy.runner import ApplyOptions, HostStatus
+from bpdkv.topology.model import Node
+
+EMPTY_STATE = {
+    "files": {},
+    "units": {},
+    "manifest": None,
+    "gpus": None,
+    "efa_devices": 0,
+    "versions": {},
+    "bpdkv_source": None,
+    "wheelhouse": {},
+    "lock": None,
+    "dirty": None,
+}
+
+
+@dataclass
+class RecordingConnector:
+    """Answers the facts batch with a canned deploy state, every other command with exit 0, and records everything."""
+
+    host: str
+    state: dict[str, Any]
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    fail_on: str | None = None  # a substring: the first command (or put path) with it raises `error`, once
+    error: Exception | None = None
+
+    def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        self._maybe_fail(command)
+        if command.startswith(f"echo {MARKER}0"):
+            return CommandResult(0, f"{MARKER}0\n{json.dumps(self.state)}\n", "")
+        self.calls.append(("run", command))
+        if "urllib.request" in command:  # a probe on the node
+            return CommandResult(0, json.dumps({"failure": None, "body": ""}) + "\n", "")
+        return CommandResult(0, "", "")
+
+    def put(self, data: bytes, path: str) -> None:
+        self._maybe_fail(path)
+        self.calls.append(("put", path))
+
+    def get(self, path: str) -> bytes:
+        raise ConnectorError(self.host, "not used")
+
+    def close(self) -> None:
+        pass
+
+    def _maybe_fail(self, text: str) -> None:
+        if self.fail_on and self.fail_on in text and self.error is not None:
+            self.fail_on = None
+            raise self.error
+
+
+def _topology(tmp_path: Path) -> Path:
+    doc = {
+        "apiVersion": "bpdkv/v1",
+        "name": "unit-runner",
+        "profile": "tiny-cpu",
+        "ssh": {"user": "root", "known_hosts": str(tmp_path / "known_hosts")},
+        "vllm": {"start_timeout": 5},
+        "bootstrap": {"enabled": False},
+        "nodes": [
+            {"name": "host1", "host": "10.0.0.1", "hardware": "cpu", "instances": [{"role": "prefill", "port": 8100}]},
+            {"name": "host2", "host": "10.0.0.2", "hardware": "cpu", "instances": [{"role": "decode", "port": 8200}]},
+            {"name": "host3", "host": "10.0.0.3", "hardware": "cpu", "instances": [{"role": "router", "port": 8000}]},
+        ],
+    }
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+class Lab:
+    def __init__(self) -> None:
+        self.conns: dict[str, RecordingConnector] = {}
+        self.state: dict[str, dict[str, Any]] = {}
+
+    def connect(self, node: Node) -> RecordingConnector:
+        conn = RecordingConnector(node.name, self.state.get(node.name, EMPTY_STATE))
+        self.conns[node.name] = conn
+        return conn
+
+
+def test_saved_plan_runs_exactly_its_operations(tmp_path: Path) -> None:
+    topo = _topology(tmp_path)
+    lab = Lab()
+    fleet = load_fleet(str(topo))
+    plan = plan_fleet(fleet, False, 2, lab.connect)
+    saved_file = tmp_path / "plan.json"
+    save_plan(plan, fleet, saved_file)
+
+    # Edit the saved operations: drop host1's env upload. What runs must be the file, not a fresh plan.
+    data = json.loads(saved_file.read_text())
+    host1 = data["hosts"][0]
+    dropped = next(op for op in host1["operations"] if op["op"] == "upload" and op["path"].endswith(".env"))
+    host1["operations"].remove(dropped)
+    saved_file.write_text(json.dumps(data))
+
+    saved = load_saved_plan(saved_file)
+    fleet = load_fleet(saved.topology_file)
+    fresh = plan_fleet(fleet, False, 2, lab.connect)
+    check_saved_plan(saved, fresh, fleet)
+    report = apply_plan(fleet, saved.plan, ApplyOptions(parallel=2, owner="unit pid 1"))
+    assert report.exit_code == 0, report.failed_lines()
+
+    for hp in saved.plan.hosts:
+        calls = lab.conns[hp.host].calls
+        uploads = [op.path + ".bpdkv-new" for op in hp.operations if isinstance(op, ops.UploadFile)]
+        puts = [path for kind, path in calls if kind == "put"]
+        assert puts == uploads + ["/etc/bpdkv/manifest.json.bpdkv-new"]
+        starts = [c for kind, c in calls if kind == "run" and "systemctl start" in c]
+        assert starts == [op.command() for op in hp.operations if isinstance(op, ops.StartUnit)]
+        probes = [c for kind, c in calls if kind == "run" and "urllib.request" in c]
+        assert len(probes) == sum(isinstance(op, ops.HealthGate) for op in hp.operations)
+    assert dropped["path"] + ".bpdkv-new" not in [p for k, p in lab.conns["host1"].calls if k == "put"]
+
+
+def test_saved_plan_refused_for_another_build_and_changed_facts(tmp_path: Path) -> None:
+    topo = _topology(tmp_path)
+    lab = Lab()
+    fleet = load_fleet(str(topo))
+    saved_file = tmp_path / "plan.json"
+    save_plan(plan_fleet(fleet, False, 2, lab.connect), fleet, saved_file)
+    data = json.loads(saved_file.read_text())
+    data["cli_build"] = "0123456789abcdef"
+    saved_file.write_text(json.dumps(data))
+    lab.state["host2"] = dict(EMPTY_STATE, units={"bpdkv-decode-0.service": "active"})
+    saved = load_saved_plan(saved_file)
+    fresh = plan_fleet(fleet, False, 2, lab.connect)
+    with pytest.raises(StalePlan) as refused:
+        check_saved_plan(saved, fresh, fleet)
+    message = str(refused.value)
+    assert "another bpdkv build (0123456789abcdef" in message
+    assert "host2: unit states changed since the plan was saved" in message
+    assert "host1" not in message and "host3" not in message
+
+
+@pytest.mark.parametrize(
+    ("stage", "needle"),
+    [
+        ("upload", ".bpdkv-new"),
+        ("rename", "mv -f"),
+        ("daemon-reload", "daemon-reload"),
+        ("start", "systemctl start"),
+        ("gate", "urllib.request"),
+        ("manifest", "manifest.json"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["connector", "bug"])
+def test_fault_on_one_host_is_reported_never_applied(tmp_path: Path, stage: str, needle: str, kind: str) -> None:
+    topo = _topology(tmp_path)
+    lab = Lab()
+    fleet = load_fleet(str(topo))
+    plan = plan_fleet(fleet, False, 2, lab.connect)
+    conn = lab.conns["host2"]
+    conn.fail_on = needle
+    conn.error = ConnectorError("host2", f"injected at {stage}") if kind == "connector" else KeyError(f"injected at {stage}")
+    report = apply_plan(fleet, plan, ApplyOptions(parallel=2, owner="unit pid 1"))
+    outcome = report.outcomes["host2"]
+    assert report.exit_code == 1
+    assert outcome.status is not HostStatus.APPLIED and not outcome.status.ok
+    assert f"injected at {stage}" in outcome.message
+    if kind == "bug":
+        assert "internal error (KeyError" in outcome.message and "KeyError" in outcome.traceback
+    # a failure after the files were committed restores them (the restore script ran) or records the host dirty
+    ran = [c for k, c in conn.calls if k == "run"]
+    if stage in ("daemon-reload", "start", "gate", "manifest"):
+        assert outcome.status in (HostStatus.ROLLED_BACK, HostStatus.DIRTY)
+        assert any(c.startswith("set -u\nB=") and c.rstrip().endswith("restore") for c in ran) or outcome.status is HostStatus.DIRTY
+    # the lock is always released and temp files removed
+    assert any("apply.lock" in c and "rm -f" in c for c in ran)
