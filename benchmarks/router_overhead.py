@@ -1,10 +1,12 @@
 """Router overhead: C concurrent streaming chat conversations through a router vs straight to an emulated D.
 
 Modes, measured in one run series on loopback: `direct` (client → D), `bpdkv` (client → bpdkv router → P → D,
-sessions and reuse on), and `vllm-router` (the Rust PD router, PyPI vllm-router 0.1.17, when its binary is given
+sessions and reuse on, one process), `bpdkv-w2` (two worker processes sharing the port, sessions in the redis-server
+the router starts itself), and `vllm-router` (the Rust PD router, PyPI vllm-router 0.1.17, when its binary is given
 or on PATH). D is benchmarks/fastemu.py (a test double): 64 tokens, first after 20 ms, then every 5 ms.
 Prints one JSON document: per mode and C, completed req/s, TTFT p50/p99, added TTFT vs direct, share of direct
-throughput, and the router process's CPU per request (from /proc/<pid>/stat).
+throughput, and the router's CPU per request (from /proc/<pid>/stat of the router and its child processes: workers
+and their redis-server count too). --profile writes a py-spy profile of the one-process router at the largest C.
 
     python benchmarks/router_overhead.py --concurrency 16 64 256 --seconds 8 [--vllm-router /path/to/vllm-router]
 """
@@ -19,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,17 +38,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tree(pid: int) -> list[int]:
+    """The process and its descendants (a multi-worker router: supervisor, workers, redis-server)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            todo += [int(c) for c in task.read_text().split()]
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process and its threads (children not included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
+    """utime + stime of a process tree (threads included; every process in it is alive for the whole run)."""
+    total = 0
+    for p in tree(pid):
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / CLK
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    total = 0
+    for p in tree(pid):
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def wait_http(port: int, path: str = "/health", timeout: float = 30.0) -> None:
@@ -72,10 +91,25 @@ class Proc:
         stop_group(self.popen, grace=10)
 
 
-def start_router(urls: dict[str, str], port: int, *extra: str) -> Proc:
-    """A real `bpdkv router` process in front of the emulated P and D."""
-    argv = [sys.executable, "-m", "bpdkv.cli", "router", "--prefill", urls["prefill"], "--decode", urls["decode"], "--port", str(port)]
-    return Proc([*argv, *extra, "--log-level", "warning"])
+def start_router(urls: dict[str, str], port: int, workers: int, work: Path) -> Proc:
+    """A real `bpdkv router` process in front of the emulated P and D; with workers > 1, their own redis-server."""
+    from bpdkv.router.config import local_redis_conf
+
+    config: dict[str, Any] = {
+        "listen": "127.0.0.1",
+        "port": port,
+        "prefill": [{"name": "prefill-0", "url": urls["prefill"]}],
+        "decode": [{"name": "decode-0", "url": urls["decode"]}],
+        "health": {"interval": 5},
+    }
+    if workers > 1:
+        redis_port = free_port()
+        conf = work / f"redis-{port}.conf"
+        conf.write_text(local_redis_conf("bench", redis_port, str(work)))
+        config.update(workers=workers, state=f"redis://127.0.0.1:{redis_port}/0", local_redis_conf=str(conf))
+    path = work / f"router-{port}.yaml"
+    path.write_text(json.dumps(config))
+    return Proc([sys.executable, "-m", "bpdkv.cli", "router", "--config", str(path), "--log-level", "warning"])
 
 
 SYSTEM = "You are a terse assistant answering benchmark questions. " * 4
@@ -186,8 +220,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=1.5)
     ap.add_argument("--turns", type=int, default=6, help="turns per conversation before a new one starts")
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="path of the vllm-router binary (peer)")
-    ap.add_argument("--modes", nargs="+", default=["direct", "bpdkv", "vllm-router"])
+    ap.add_argument("--modes", nargs="+", default=["direct", "bpdkv", "bpdkv-w2", "vllm-router"])
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="py-spy profile of the one-process router at the largest C: flame graph (.svg) or collapsed stacks (.txt)",
+    )
     args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="router-overhead-"))
 
     procs: list[Proc] = []
     out: dict[str, Any] = {"benchmark": "router_overhead", "machine": {"cpus": os.cpu_count()}, "runs": []}
@@ -199,12 +240,13 @@ def main() -> None:
         d_port = int(urls["decode"].rsplit(":", 1)[1])
         wait_http(d_port)
         routers: dict[str, tuple[int, int]] = {"direct": (d_port, 0)}
-        if "bpdkv" in args.modes:
-            port = free_port()
-            r = start_router(urls, port, "--health-interval", "5")
-            procs.append(r)
-            wait_http(port)
-            routers["bpdkv"] = (port, r.popen.pid)
+        for mode, workers in (("bpdkv", 1), ("bpdkv-w2", 2)):
+            if mode in args.modes:
+                port = free_port()
+                r = start_router(urls, port, workers, work)
+                procs.append(r)
+                wait_http(port)
+                routers[mode] = (port, r.popen.pid)
         if "vllm-router" in args.modes and args.vllm_router:
             port = free_port()
             r = Proc(
@@ -234,11 +276,33 @@ def main() -> None:
             out["vllm_router"] = "not run: binary not found (pip install vllm-router==0.1.17, then pass --vllm-router)"
         for c in args.concurrency:
             direct = None
-            for mode in ("direct", "bpdkv", "vllm-router"):
+            for mode in ("direct", "bpdkv", "bpdkv-w2", "vllm-router"):
                 if mode not in routers:
                     continue
                 port, pid = routers[mode]
+                spy = None
+                if args.profile and mode == "bpdkv" and c == max(args.concurrency) and shutil.which("py-spy"):
+                    spy = subprocess.Popen(
+                        [
+                            "py-spy",
+                            "record",
+                            "-p",
+                            str(pid),
+                            "-o",
+                            str(args.profile),
+                            "-d",
+                            str(int(args.seconds + args.warmup)),
+                            "-r",
+                            "200",
+                            *(["--format", "raw"] if args.profile.suffix == ".txt" else []),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
                 res = run_mode(mode, port, pid or None, c, args)
+                if spy is not None:
+                    spy.wait(60)
+                    res["profiled"] = True  # py-spy's sampling costs CPU: this row's CPU figures are not comparable
                 if mode == "direct":
                     direct = res
                 elif direct:
@@ -250,6 +314,7 @@ def main() -> None:
     finally:
         for p in reversed(procs):
             p.stop()
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out, indent=2))
 
 

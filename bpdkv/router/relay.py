@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from bpdkv import contracts
 
 EVENT_END = b"\n\n"
 PARAMS_MARK = contracts.KV_TRANSFER_PARAMS.encode()
+_TEXT = re.compile(rb'"(?:content|text)": ?"((?:[^"\\]|\\.)*)"')
+_NULL_FINISH = re.compile(rb'"finish_reason": ?null')
 
 
 def sse_events(raw: bytes | Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
@@ -116,10 +119,28 @@ class Reply:
         reply = Reply()
         if isinstance(raw, dict):
             reply.add_event(raw)
+        elif isinstance(raw, bytes):
+            reply._add_raw(raw)
         else:
             for event in sse_events(raw):
                 reply.add_event(event)
         return reply
+
+    def _add_raw(self, raw: bytes) -> None:
+        """Events as D sent them. The common event — one choice, a plain text delta, not the last — gives its text
+        to a regular expression; anything else (finish, tool calls, reasoning, escapes) is parsed in full."""
+        for event in raw.split(EVENT_END):
+            if not event.startswith(b"data:"):
+                continue
+            if b"tool_calls" not in event and b"reasoning" not in event and _NULL_FINISH.search(event) and event.count(b'"index"') == 1:
+                match = _TEXT.search(event)
+                if match is not None:
+                    piece = match.group(1)
+                    self.content.append(piece.decode() if b"\\" not in piece else json.loads(b'"' + piece + b'"'))
+                    self.events += 1
+                    continue
+            for parsed in sse_events(event):
+                self.add_event(parsed)
 
 
 def strip_params(events: bytes) -> tuple[bytes, dict[str, Any] | None]:

@@ -242,3 +242,17 @@ def test_input_shape_and_depth_checks() -> None:
     for _ in range(200):
         deep = [deep]
     assert json_depth_exceeds({"a": deep}, 64) and not json_depth_exceeds({"a": [[1]]}, 64)
+
+
+@given(st.lists(st.text(max_size=12), min_size=1, max_size=8), st.booleans(), st.booleans())
+def test_reply_fast_path_equals_full_parse(pieces: list[str], ascii_only: bool, chat: bool) -> None:
+    raw = b""
+    for piece in pieces:
+        choice = (
+            {"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat else {"index": 0, "text": piece, "finish_reason": None}
+        )
+        raw += b"data: " + json.dumps({"id": "1", "choices": [choice]}, ensure_ascii=ascii_only).encode() + b"\n\n"
+    raw += b"data: [DONE]\n\n"
+    fast = Reply.of(raw)
+    full = Reply.of(raw.decode().split("\n"))
+    assert fast.text == full.text == "".join(pieces) and fast.events == full.events == len(pieces)
