@@ -889,5 +889,52 @@ def router(
     serve(dataclasses.replace(config, **changes), log_level)  # type: ignore[arg-type]
 
 
+@main.command()
+@click.argument("topology", type=click.Path(path_type=str))
+@click.option("--instance", "instances", multiple=True, help="Only this instance (repeatable); default: all.")
+@click.option("--since", help='Entries since this time, in journalctl\'s words: "10 min ago", "2026-11-30 15:00", "today".')
+@click.option("-n", "--lines", type=click.IntRange(0, 1_000_000), help="Last N entries per instance (default 50 without --since).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new entries (polls every --interval seconds) until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(0.2, 60), default=2.0, show_default=True, help="Seconds between polls with -f.")
+@with_ssh_flags
+@user_errors
+def logs(
+    topology: str,
+    instances: tuple[str, ...],
+    since: str | None,
+    lines: int | None,
+    follow: bool,
+    interval: float,
+    accept_new_host_keys: bool,
+    command_timeout: float,
+    parallel: int,
+) -> None:
+    """The instances' journal over SSH, each line prefixed host/instance, merged in time order (journalctl -o json)."""
+    import time
+
+    from bpdkv.logs import JournalReader, select_sources
+
+    result = _load(topology)
+    reader = JournalReader(select_sources(result.topology, instances), _connect(accept_new_host_keys, command_timeout), parallel)
+    failed: set[str] = set()
+    try:
+        entries, failures = reader.read(since, lines)
+        while True:
+            for entry in entries:
+                click.echo(entry.format())
+            for failure in failures:
+                failed.add(failure.host)
+                _red(failure.format())
+            if not follow:
+                break
+            time.sleep(interval)
+            entries, failures = reader.read()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        reader.close()
+    sys.exit(1 if failed else 0)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

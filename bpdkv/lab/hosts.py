@@ -53,6 +53,46 @@ exec /usr/bin/python3 "$BPDKV_LAB/init.py" /usr/sbin/sshd -D -e -f "$H/sshd_conf
 """
 
 
+JOURNALCTL = r"""#!/usr/bin/python3
+# journalctl of a test host. The service manager here (docker-systemctl-replacement) appends each unit's output to
+# /var/log/journal/<unit>.log and records no time per line, so entries carry no __REALTIME_TIMESTAMP and --since
+# cannot filter (all lines are shown). The cursor is the line number. Supports what `bpdkv logs` and people use:
+# -u UNIT (repeatable), -o json|short-iso-precise|cat|short, -n N, --since (accepted), --after-cursor, --no-pager, -q.
+import argparse, json, os, sys
+ap = argparse.ArgumentParser()
+ap.add_argument("-u", "--unit", action="append", default=[])
+ap.add_argument("-o", "--output", default="short")
+ap.add_argument("-n", "--lines", type=int)
+ap.add_argument("-S", "--since")
+ap.add_argument("--after-cursor")
+ap.add_argument("-f", "--follow", action="store_true")
+ap.add_argument("--no-pager", action="store_true")
+ap.add_argument("-q", "--quiet", action="store_true")
+args = ap.parse_args()
+if args.follow:
+    sys.exit("journalctl (test host): --follow is not supported; poll with --after-cursor")
+for unit in args.unit or []:
+    unit = unit if "." in unit else unit + ".service"
+    try:
+        with open(f"/var/log/journal/{unit}.log", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except FileNotFoundError:
+        lines = []
+    numbered = list(enumerate(lines, 1))
+    if args.after_cursor:
+        numbered = numbered[int(args.after_cursor.rsplit("=", 1)[1]):]
+    if args.lines is not None:
+        numbered = numbered[-args.lines:] if args.lines else []
+    for n, text in numbered:
+        if args.output == "json":
+            print(json.dumps({"__CURSOR": f"lab;line={n}", "_SYSTEMD_UNIT": unit, "_HOSTNAME": os.uname().nodename, "MESSAGE": text}))
+        elif args.output == "cat":
+            print(text)
+        else:
+            print(f"- {os.uname().nodename} {unit}: {text}")
+"""
+
+
 class TestHostsUnavailable(Exception):
     """Not root, or the namespace tools are missing: say why, so tests can skip with that reason."""
 
@@ -106,9 +146,9 @@ class TestHosts:
         (self.base / "host-setup.sh").write_text(HOST_SETUP)
         replacement = _systemctl_replacement()
         assert replacement is not None
-        for name, src in (("systemctl", replacement), ("journalctl", replacement.with_name("journalctl3.py"))):
-            text = src.read_text().split("\n", 1)[1] if src.exists() else "import sys\nsys.exit(0)\n"
-            (self.base / name).write_text("#!/usr/bin/python3\n" + text)
+        (self.base / "systemctl").write_text("#!/usr/bin/python3\n" + replacement.read_text().split("\n", 1)[1])
+        (self.base / "journalctl").write_text(JOURNALCTL)
+        for name in ("systemctl", "journalctl"):
             (self.base / name).chmod(0o755)
         self.known_hosts.write_text("")
         _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
