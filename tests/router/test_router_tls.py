@@ -20,6 +20,7 @@ import httpx
 import pytest
 import yaml
 
+from bpdkv.lab.processes import stop_group
 from bpdkv.router.security import KeyRing, SecurityConfigError, hashed_key_line
 from bpdkv.router.sessions import RedisStore, SessionEntry, StoreUnavailable
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
@@ -148,13 +149,7 @@ def https_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
             time.sleep(0.1)
         yield {"url": url, "port": port, "ca": ca, "cert": cert, "key": key, "log": log_path, "folder": folder}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait(5)
+        stop_group(proc, 10)
         group.stop()
 
 
@@ -245,12 +240,7 @@ def redis_tls(tmp_path: Path) -> Iterator[dict[str, Any]]:
     try:
         yield {"url": f"rediss://127.0.0.1:{port}/0", "ca": ca.path, "password_file": password_file, "folder": tmp_path}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_group(proc, 5)
 
 
 def test_two_routers_share_sessions_over_redis_tls_with_password(fleet_factory: Any, redis_tls: dict[str, Any]) -> None:
