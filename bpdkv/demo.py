@@ -6,7 +6,6 @@ chat turn at a time through the router, reading P's Prometheus counters around e
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -23,6 +22,7 @@ from bpdkv.contracts import P_CACHE_HEADER
 from bpdkv.errors import BpdkvError
 from bpdkv.lab import CACHE_DIR, tiny_model
 from bpdkv.lab.vllm_env import install_hint
+from bpdkv.router.turn import stream as turn_stream
 
 SYSTEM = "You are a helpful assistant for model cache questions. Answer briefly and name the layer, the block and the node."
 QUESTIONS = [
@@ -61,26 +61,8 @@ def _prefill_counters(urls: list[str]) -> tuple[float, float, float]:
 
 def chat_turn(router: str, body: dict[str, Any], headers: dict[str, str], timeout: float = 300) -> tuple[str, float, float]:
     """One streaming chat completion through the router: (text, time to first content, total seconds)."""
-    request = urllib.request.Request(
-        router.rstrip("/") + "/v1/chat/completions",
-        data=json.dumps(dict(body, stream=True)).encode(),
-        headers={"content-type": "application/json", **headers},
-    )
-    start = time.monotonic()
-    ttft: float | None = None
-    parts: list[str] = []
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    ttft = time.monotonic() - start if ttft is None else ttft
-                    parts.append(content)
-    total = time.monotonic() - start
-    return "".join(parts), ttft if ttft is not None else total, total
+    result = turn_stream(router.rstrip("/") + "/v1/chat/completions", body, timeout, headers)
+    return result.reply.text, result.ttft_s, result.seconds
 
 
 def chat(
