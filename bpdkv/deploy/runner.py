@@ -498,7 +498,7 @@ class Runner:
                 continue
             if out.status is not HostStatus.DIRTY:
                 out.status = HostStatus.ROLLED_BACK
-                out.message = why if why.endswith("previous generation") else f"{why}; rolled back to the previous files and units"
+                out.message = f"{out.message or why}; rolled back to the previous files and units"
             self.progress(hp.host, "rolled back to the previous files and units")
 
     def mark_dirty(self, hp: HostPlan, message: str) -> None:
@@ -576,7 +576,8 @@ class Runner:
                 continue
             out.status = HostStatus.FAILED
             out.message = message if hp is failed else f"generation rolled back because {message}"
-        self.rollback(members, message + "; P/D generation back on the previous generation")
+            out.message += " (P/D generation: every member back on the previous generation)"
+        self.rollback(members, message)
 
 
 def _unit(step: list[ops.Operation]) -> str:
@@ -617,7 +618,7 @@ def commit_script(backup: str, changes: Sequence[ops.UploadFile | ops.DeleteFile
 def restore_function() -> str:
     """`restore`: every backed-up file back by copy + rename (never half-written), every created file removed."""
     return (
-        'restore() { ok=0; cd "$B" || return 1; '
+        'restore() { ok=0; [ -d "$B" ] || return 0; cd "$B" || return 1; '
         "for f in $(find . -type f ! -name .created ! -name .complete); do p=${f#.}; "
         'cp -p "$f" "$p.bpdkv-old" && mv -f "$p.bpdkv-old" "$p" || ok=1; done; '
         'if [ -f .created ]; then while read -r p; do rm -f "$p" || ok=1; done < .created; fi; cd /; return $ok; }'
