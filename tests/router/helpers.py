@@ -1,9 +1,10 @@
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
+
+from bpdkv.router.relay import Reply, sse_events
 
 SYSTEM = "You are a helpful assistant. " * 8
 
@@ -18,18 +19,13 @@ def chat(
         if resp.status_code != 200:
             return "", resp
         return data["choices"][0]["message"]["content"], data
-    text = []
-    events = []
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=30) as resp:
         assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            events.append(event)
-            for choice in event.get("choices", []):
-                text.append(choice.get("delta", {}).get("content") or "")
-    return "".join(text), events
+        events = list(sse_events(resp.iter_lines()))
+    reply = Reply()
+    for event in events:
+        reply.add_event(event)
+    return reply.text, events
 
 
 def conversation(url: str, turns: int = 4, stream: bool = False, headers: dict[str, str] | None = None, **extra: Any) -> list[str]:
@@ -49,12 +45,11 @@ def complete_tokens(url: str, prompt: list[int], stream: bool = False, max_token
         data = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
         text = data["choices"][0]["text"]
     else:
-        parts = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    event = json.loads(line[6:])
-                    assert "kv_transfer_params" not in event
-                    parts += [c.get("text", "") for c in event.get("choices", [])]
-        text = "".join(parts)
+            events = list(sse_events(resp.iter_lines()))
+        assert events and all("kv_transfer_params" not in e for e in events)
+        reply = Reply()
+        for event in events:
+            reply.add_event(event)
+        text = reply.text
     return text, list(text.encode())
