@@ -280,3 +280,20 @@ def test_benchmark_switches_reuse_off_and_fresh_prefill_salt(fleet_factory) -> N
     salts = [r.get("cache_salt") for r in fleet.prefill[0].requests]
     assert all(salts) and len(set(salts)) == 3  # a fresh salt per P request
     assert all("cache_salt" not in r for r in fleet.decode[0].requests)  # D keeps its cache
+
+
+def test_client_gone_before_first_byte_releases_everything(fleet_factory) -> None:  # type: ignore[no-untyped-def]
+    """The abandon path: the client leaves while D has not sent a byte; D's request is cancelled, nothing stays counted."""
+    fleet = fleet_factory(d_settings={"first_token_delay": 2.0})
+    body = {"messages": [{"role": "user", "content": "slow start"}], "max_tokens": 5, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fleet.url + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and fleet.metric("bpdkv_router_requests_total", status="499") < 1:
+        time.sleep(0.05)
+    assert fleet.metric("bpdkv_router_requests_total", status="499") == 1
+    assert fleet.metric("bpdkv_router_in_flight") == 0
+    assert fleet.metric("bpdkv_router_backend_outstanding") == 0
+    while time.monotonic() < deadline and fleet.decode[0].counters.get("emulator_streams_cancelled", 0) < 1:
+        time.sleep(0.05)
+    assert fleet.decode[0].counters.get("emulator_streams_cancelled", 0) == 1  # D's response was closed
