@@ -374,6 +374,8 @@ def _print_plan(plan: Any, show_diff: bool = True) -> None:
         for p in h.packages:
             if p.action != "none":
                 console.print(f"  [blue]{p.action} package[/] {escape(p.line)}")
+        if h.system_packages:
+            console.print(f"  [blue]apt-get install[/] {escape(' '.join(h.system_packages))}")
         for f in h.files:
             if f.action == "none":
                 continue

@@ -280,6 +280,7 @@ class HostFacts:
     listeners: list[Listener] = field(default_factory=list)
     memlock_kib: int | None = None  # None = unlimited
     hardware: dict[str, Any] = field(default_factory=dict)  # fact name → parsed value (bpdkv/deploy/hardware.py)
+    debian: dict[str, bool] = field(default_factory=dict)  # Debian package → installed
 
     def content(self, path: str) -> str | None:
         info = self.files.get(path)
@@ -302,6 +303,22 @@ class HostFacts:
             "lock": self.lock,
             "dirty": self.dirty,
         }
+
+
+class DebPackages(Fact[dict[str, bool]]):
+    """Which of the Debian packages the render asks for are installed (`dpkg-query`); absent ones are False."""
+
+    name = "debian packages"
+
+    def __init__(self, packages: Sequence[str]) -> None:
+        self.packages = list(packages)
+        names = " ".join(shlex.quote(p) for p in self.packages)
+        # With no names dpkg-query would list every package: ask nothing then.
+        self.command = f"dpkg-query -W -f='${{Package}} ${{Status}}\\n' {names} 2>/dev/null; true" if names else "true"
+
+    def parse(self, stdout: str) -> dict[str, bool]:
+        installed = {line.split()[0] for line in stdout.splitlines() if line.strip().endswith("install ok installed")}
+        return {p: p in installed for p in self.packages}
 
 
 # ---- batching --------------------------------------------------------------------------------------------------

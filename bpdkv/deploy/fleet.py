@@ -23,6 +23,7 @@ from bpdkv.deploy.facts import (
     DIRTY_PATH,
     LOCK_PATH,
     MANIFEST_PATH,
+    DebPackages,
     DeployState,
     DiskFree,
     Fact,
@@ -37,7 +38,7 @@ from bpdkv.deploy.inventory import Inventory, load_with_inventory, membership_ch
 from bpdkv.deploy.planner import FileChange, HostPlan, Plan, UnitAction, empty_facts, facts_digest, make_plan
 from bpdkv.deploy.runner import ApplyOptions, HostOutcome, HostStatus, PackageSource, Progress, Report, Runner, for_each_host
 from bpdkv.errors import BpdkvError
-from bpdkv.render import Artifact, render_topology
+from bpdkv.render import Artifact, render_topology, system_packages
 from bpdkv.secrets import Resolver, health_probe, resolve_topology
 from bpdkv.topology.loader import ValidatedTopology
 from bpdkv.topology.model import Node, Topology
@@ -99,6 +100,7 @@ def _host_facts(topology: Topology, node: Node, artifacts: list[Artifact]) -> li
         DiskFree(folders),
         ListeningPorts(),
         MemlockLimit(),
+        DebPackages(system_packages(topology).get(node.name, ())),
     ]
 
 
@@ -131,6 +133,7 @@ def gather(fleet: Fleet, parallel: int, connect: ConnectorFactory, force_unlock:
                 host.memlock_kib = facts[3].parse(outputs[3])
             except ValueError:
                 host.memlock_kib = 0
+            host.debian = facts[4].parse(outputs[4])
             host.hardware = {f.name: f.parse(out) for f, out in zip(extra, outputs[len(facts) :], strict=True)}
         except ConnectorError as exc:
             conn.close()
@@ -163,14 +166,6 @@ def plan_fleet(
     for host in plan.hosts:
         host.problems.extend(fleet.hardware.get(host.host, []) if not host.skipped else [])
     return plan
-
-
-def system_packages(topology: Topology) -> dict[str, tuple[str, ...]]:
-    """Debian packages the render asks for per node (e.g. redis-server for a multi-worker router), when it says any."""
-    from bpdkv import render
-
-    wanted = getattr(render, "system_packages", None)
-    return dict(wanted(topology)) if callable(wanted) else {}
 
 
 # ---- saved plans -----------------------------------------------------------------------------------------------------

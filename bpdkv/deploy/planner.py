@@ -61,13 +61,18 @@ class HostPlan:
     problems: list[PreflightProblem] = field(default_factory=list)
     repair: str | None = None  # the host's record disagrees with its files (unfinished apply): the manifest is rewritten
     skipped: bool = False  # left out by --limit: not touched, not counted
+    system_packages: list[str] = field(default_factory=list)  # Debian packages to install (missing on the host)
 
     @property
     def changed(self) -> bool:
         if self.skipped:
             return False
         return (
-            any(f.action != "none" for f in self.files) or any(u.action != "none" for u in self.units) or self.installs or bool(self.repair)
+            any(f.action != "none" for f in self.files)
+            or any(u.action != "none" for u in self.units)
+            or self.installs
+            or bool(self.repair)
+            or bool(self.system_packages)
         )
 
     @property
@@ -135,6 +140,7 @@ class Plan:
                 problems=[PreflightProblem(**p) for p in h.get("problems", [])],
                 repair=h.get("repair"),
                 skipped=h.get("skipped", False),
+                system_packages=h.get("system_packages", []),
             )
             for h in data["hosts"]
         ]
@@ -182,6 +188,7 @@ def facts_digest(facts: HostFacts) -> str:
         "versions": facts.versions,
         "bpdkv_source": facts.bpdkv_source,
         "dirty": facts.dirty,
+        "debian": facts.debian,
     }
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -338,11 +345,21 @@ def make_plan(
                 for u in units
             ]
         mine = [a for a in artifacts if a.host == node.name]
+        missing = [p for p in (system_packages or {}).get(node.name, ()) if not host_facts.debian.get(p)]
         host_plan = HostPlan(
-            node.name, node.host, True, None, changes, daemon_reload, units, facts_digest(host_facts), packages, repair=repair
+            node.name,
+            node.host,
+            True,
+            None,
+            changes,
+            daemon_reload,
+            units,
+            facts_digest(host_facts),
+            packages,
+            repair=repair,
+            system_packages=missing,
         )
-        wanted_system = tuple((system_packages or {}).get(node.name, ()))
-        operations = host_operations(topology, node, host_plan, mine, generation, wanted_system, router, start_timeout)
+        operations = host_operations(topology, node, host_plan, mine, generation, tuple(missing), router, start_timeout)
         problems = preflight_problems(node, host_facts, mine, host_plan, owner)
         host_plans.append(
             HostPlan(
@@ -358,6 +375,7 @@ def make_plan(
                 operations if host_plan.changed else [],
                 problems,
                 repair,
+                system_packages=missing,
             )
         )
 

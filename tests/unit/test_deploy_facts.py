@@ -68,3 +68,35 @@ def test_planner_and_facts_import_no_ssh_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert out == ""
+
+
+def test_dpkg_query_parser_on_captured_output() -> None:
+    from bpdkv.deploy.facts import DebPackages
+
+    fact = DebPackages(["openssh-server", "redis-server", "bpdkv-no-such-package"])
+    assert fact.parse((FACTS / "dpkg-query.txt").read_text()) == {
+        "openssh-server": True,
+        "redis-server": True,
+        "bpdkv-no-such-package": False,
+    }
+    assert DebPackages([]).command == "true"  # never list every package
+
+
+def test_missing_debian_package_is_planned_once_installed_is_not() -> None:
+    from bpdkv.deploy.facts import HostFacts
+    from bpdkv.deploy.operations import InstallSystemPackages
+    from bpdkv.deploy.planner import make_plan
+    from bpdkv.render import render_topology
+    from bpdkv.topology.loader import load_topology
+    from tests.conftest import ROOT
+
+    topology = load_topology(ROOT / "examples" / "local-cpu.yaml").topology
+    arts = render_topology(topology)
+    wanted = {"host3": ("redis-server",)}
+    missing = {n.name: HostFacts(n.name, True) for n in topology.nodes}
+    plan = make_plan(topology, arts, missing, system_packages=wanted)
+    host3 = next(h for h in plan.hosts if h.host == "host3")
+    assert host3.operations[0] == InstallSystemPackages(("redis-server",))
+    present = {n.name: HostFacts(n.name, True, debian={"redis-server": True}) for n in topology.nodes}
+    plan = make_plan(topology, arts, present, system_packages=wanted)
+    assert not any(isinstance(op, InstallSystemPackages) for h in plan.hosts for op in h.operations)
