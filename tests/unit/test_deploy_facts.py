@@ -44,10 +44,11 @@ def test_ulimit_parser() -> None:
 
 
 def test_systemctl_is_active_parser() -> None:
-    # docker-systemctl-replacement and systemd print one state per unit, in order (captured: tests/data/facts/systemctl.txt).
+    # docker-systemctl-replacement (the test hosts' systemctl) prints one state per unit, in order; errors go to stderr.
     text = (FACTS / "systemctl.txt").read_text()
     states = UnitStates(["bpdkv-prefill-0.service", "bpdkv-gone.service"]).parse(text)
-    assert states == {"bpdkv-prefill-0.service": "active", "bpdkv-gone.service": "inactive"}
+    assert states == {"bpdkv-prefill-0.service": "inactive", "bpdkv-gone.service": "inactive"}
+    assert UnitStates(["a.service", "b.service"]).parse("active\nfailed\n") == {"a.service": "active", "b.service": "failed"}
     assert UnitStates(["a.service"]).parse("") == {"a.service": "unknown"}
 
 
