@@ -335,3 +335,24 @@ def test_bad_group_is_located(tmp_path: Path) -> None:
         load_topology(path)
     lines = err.value.lines()
     assert any(line.startswith(f"{path}:9:") and "node_groups[0].ec2.hostnames[0]" in line for line in lines), lines
+
+
+def test_no_region_and_unreachable_endpoint_are_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for key in list(os.environ):
+        if key.startswith("AWS_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    fleet_path = Fleet.__new__(Fleet)
+    fleet_path.tag = "x"
+    path = fleet_path.topology(tmp_path)
+    path.write_text(path.read_text().replace(f"      region: {REGION}\n", ""))  # no group names a region
+    with pytest.raises(InventoryError) as err:
+        load_topology(path, None, Ec2Inventory(max_attempts=1))
+    assert str(err.value).endswith("no AWS region; set ec2.region on the group, AWS_REGION or AWS_DEFAULT_REGION")
+    monkeypatch.setenv("AWS_REGION", REGION)  # honoured too
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(InventoryError) as err:
+        load_topology(path, None, Ec2Inventory(max_attempts=1))
+    assert "cannot reach the EC2 endpoint" in str(err.value) and "\n" not in str(err.value)

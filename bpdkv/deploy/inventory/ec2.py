@@ -1,12 +1,13 @@
 """EC2 discovery: DescribeInstances (paginated, running instances only) with the standard boto3 credential chain.
 
-Region: the group's `ec2.region`, else the standard chain (AWS_REGION / AWS_DEFAULT_REGION / profile). Endpoint:
+Region: the group's `ec2.region`, else boto3's chain (AWS_DEFAULT_REGION, the profile), else AWS_REGION. Endpoint:
 botocore honours AWS_ENDPOINT_URL and AWS_ENDPOINT_URL_EC2 itself (VPC endpoints, or a moto server in the tests).
 Only ec2:DescribeInstances is called. Every failure becomes one line naming the group, region and what to do.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,7 +96,7 @@ def _explain(exc: Exception, selector: Ec2Selector, region: str | None) -> str:
             "or run where an instance role is available"
         )
     if isinstance(exc, NoRegionError):
-        return f"{selector.where}: no AWS region; set ec2.region on the group, or AWS_REGION"
+        return f"{selector.where}: no AWS region; set ec2.region on the group, AWS_REGION or AWS_DEFAULT_REGION"
     if isinstance(exc, ClientError):
         code = exc.response.get("Error", {}).get("Code", "?")
         message = exc.response.get("Error", {}).get("Message", "")
@@ -124,7 +125,8 @@ class Ec2Inventory:
         self.inventory: Inventory | None = None
 
     def describe(self, selector: Ec2Selector, session: Any) -> list[Machine]:
-        region = selector.region or session.region_name
+        # boto3 reads AWS_DEFAULT_REGION and the profile; AWS_REGION is what the other SDKs (and Lambda/ECS) set.
+        region = selector.region or session.region_name or os.environ.get("AWS_REGION")
         try:
             client = session.client("ec2", region_name=region, config=self.config)
             paginator = client.get_paginator("describe_instances")
