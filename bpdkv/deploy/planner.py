@@ -6,7 +6,7 @@ import difflib
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from bpdkv import __version__
@@ -361,23 +361,7 @@ def make_plan(
         )
         operations = host_operations(topology, node, host_plan, mine, generation, tuple(missing), router, start_timeout)
         problems = preflight_problems(node, host_facts, mine, host_plan, owner)
-        host_plans.append(
-            HostPlan(
-                node.name,
-                node.host,
-                True,
-                None,
-                changes,
-                daemon_reload,
-                units,
-                facts_digest(host_facts),
-                packages,
-                operations if host_plan.changed else [],
-                problems,
-                repair,
-                system_packages=missing,
-            )
-        )
+        host_plans.append(replace(host_plan, operations=operations if host_plan.changed else [], problems=problems))
 
     host_plans.sort(key=lambda h: [n.name for n in topology.nodes].index(h.host))
     waves: list[dict[str, Any]] = []

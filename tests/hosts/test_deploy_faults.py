@@ -75,6 +75,7 @@ def test_fault_matrix_one_host_keeps_serving_and_rerun_converges(hosts, tmp_path
     topo = write_topology(tmp_path / "t.yaml", topology_doc(hosts))
     assert bpdkv("apply", str(topo), "-y").returncode == 0
     doc = topology_doc(hosts)
+    doc["vllm"]["start_timeout"] = 21  # every unit file changes too: daemon-reload is a stage on every host
     for node in doc["nodes"]:
         node["instances"][0]["env"] = {"FAKE_VERSION": "v2"}
     write_topology(topo, doc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +92,11 @@ class SshConnector:
             ) from None
         except paramiko.SSHException as exc:
             if "not found in known_hosts" in str(exc):
+                # paramiko: "Server '10.0.0.5' not found in known_hosts" (the jump host's name when it is the unknown one)
+                which = re.search(r"Server '\[?([^'\]]+)", str(exc))
                 raise ConnectorError(
                     node.name,
-                    f"unknown host key for {exc.args[0].split()[1] if exc.args else node.host} "
+                    f"unknown host key for {which.group(1) if which else node.host} "
                     f"(not in {node.ssh.known_hosts}); add it or pass --accept-new-host-keys",
                 ) from None
             raise ConnectorError(node.name, f"SSH error for {where}: {exc}") from None
