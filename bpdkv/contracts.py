@@ -28,6 +28,15 @@ REMOTE_BLOCKS_EXPIRES_IN: Final = "remote_blocks_expires_in"  # seconds left whe
 BLOCK_DIGESTS: Final = "bpdkv_block_digests"  # chained per-block token digests of D's sequence (hex)
 BLOCK_SIZE: Final = "bpdkv_block_size"
 EXPIRES_AT: Final = "bpdkv_expires_at"  # D's wall clock (epoch s) when its blocks are freed
+# D's hold budget (node plugin, bpdkv/vllm_plugin/hold.py). D → router: ids of D requests whose held blocks D let go
+# since its previous answer (budget, pressure): never offer them to P again (their blocks may belong to others now).
+RELEASED_REQUEST_IDS: Final = "bpdkv_released_request_ids"
+# Router → D, in D's request params: False = nobody will offer this turn's KV again (reuse off for it): hold nothing.
+HOLD: Final = "bpdkv_hold"
+# Router → D (any request's params): D request ids whose held blocks will not be offered again (taken, evicted).
+RELEASE_REQUEST_IDS: Final = "bpdkv_release_request_ids"
+# P → router, on P's answer: what became of the offered D blocks (verified, cut, mismatch, expiring, unverified_*).
+PULL_OUTCOME: Final = "bpdkv_pull_outcome"
 
 
 def prefill_template() -> dict[str, Any]:

@@ -6,15 +6,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bpdkv import contracts
 from bpdkv.vllm_plugin import digests
 
-DIGESTS_KEY = "bpdkv_block_digests"
-BLOCK_SIZE_KEY = "bpdkv_block_size"
-EXPIRES_AT_KEY = "bpdkv_expires_at"  # D's wall clock (epoch s) when its blocks are freed
-EXPIRES_IN_KEY = "remote_blocks_expires_in"  # seconds left when D answered (clock-free, for the router)
+DIGESTS_KEY = contracts.BLOCK_DIGESTS
+BLOCK_SIZE_KEY = contracts.BLOCK_SIZE
+EXPIRES_AT_KEY = contracts.EXPIRES_AT  # D's wall clock (epoch s) when its blocks are freed
+EXPIRES_IN_KEY = contracts.REMOTE_BLOCKS_EXPIRES_IN  # seconds left when D answered (clock-free, for the router)
 # Upstream P declines reads within 5 s of expiry (HTTP 500 / hang); we stop well before that.
 DEFAULT_EXPIRY_GUARD = 10.0
-REMOTE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+REMOTE_KEYS = contracts.REMOTE_LOCATION_KEYS
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,15 @@ import enum
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from bpdkv import contracts
+
 # kv_connector_extra_config keys (rendered from the topology's decode instance)
 HOLD_BUDGET_KEY = "bpdkv_hold_budget"  # share of D's KV cache blocks that finished requests may hold, (0, 1]
-# Wire keys in kv_transfer_params.
-HOLD_KEY = "bpdkv_hold"  # router → D: false = nobody will offer this turn's KV again, hold nothing
-RELEASE_KEY = "bpdkv_release_request_ids"  # router → D: D request ids whose held blocks will not be offered again
-RELEASED_KEY = "bpdkv_released_request_ids"  # D → router: held blocks D let go since its previous answer
-PULL_OUTCOME_KEY = "bpdkv_pull_outcome"  # P → router: what became of the offered D blocks (verified, expiring, ...)
+# Wire keys in kv_transfer_params (bpdkv/contracts.py says who sends each).
+HOLD_KEY = contracts.HOLD
+RELEASE_KEY = contracts.RELEASE_REQUEST_IDS
+RELEASED_KEY = contracts.RELEASED_REQUEST_IDS
+PULL_OUTCOME_KEY = contracts.PULL_OUTCOME
 
 # Why the default budget is a half (benchmarks/results/gpu-h200x2/session3/README.md): D must keep room for its
 # live decodes (their KV grows every step) and for the next turns' prefills it pulls from P; held blocks beyond a
