@@ -112,16 +112,27 @@ def _explain(exc: Exception, selector: Ec2Selector, region: str | None) -> str:
     return f"{at} failed ({type(exc).__name__}: {exc})"
 
 
+def _env_attempts() -> int:
+    text = os.environ.get("AWS_MAX_ATTEMPTS") or "5"
+    if not text.isdigit() or int(text) < 1:
+        raise InventoryError(f"AWS_MAX_ATTEMPTS={text!r} is not a positive whole number (attempts per EC2 call, e.g. 5)")
+    return int(text)
+
+
 class Ec2Inventory:
     """The loader's inventory hook for topologies with `node_groups`; `inventory` holds what it found.
 
     `session_factory` makes the boto3 session (the standard chain); `page_size` and `max_attempts` exist so the
     tests can force several pages and a short retry budget."""
 
-    def __init__(self, session_factory: Callable[[], Any] = boto3.Session, page_size: int | None = None, max_attempts: int = 5) -> None:
+    def __init__(
+        self, session_factory: Callable[[], Any] = boto3.Session, page_size: int | None = None, max_attempts: int | None = None
+    ) -> None:
         self.session_factory = session_factory
         self.page_size = page_size
-        self.config = Config(retries={"max_attempts": max_attempts, "mode": "standard"}, connect_timeout=10, read_timeout=30)
+        # Total attempts, as AWS_MAX_ATTEMPTS counts them (a Config in code overrides the variable, so it is read here).
+        attempts = max_attempts if max_attempts is not None else _env_attempts()
+        self.config = Config(retries={"total_max_attempts": attempts, "mode": "standard"}, connect_timeout=10, read_timeout=30)
         self.inventory: Inventory | None = None
 
     def describe(self, selector: Ec2Selector, session: Any) -> list[Machine]:
