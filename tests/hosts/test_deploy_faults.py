@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ class FaultyConnector:
     inner: SshConnector
     needle: str | None
     error: Exception
+    before: Callable[[], None] | None = None  # instead of raising: do this (e.g. kill the host), then go on
 
     @property
     def host(self) -> str:
@@ -42,6 +44,9 @@ class FaultyConnector:
     def _check(self, text: str) -> None:
         if self.needle and self.needle in text:
             self.needle = None
+            if self.before is not None:
+                self.before()
+                return
             raise self.error
 
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
@@ -133,6 +138,44 @@ def test_read_only_target_and_changed_host_key_write_nothing_anywhere(hosts, tmp
     write_topology(topo, doc)
     changed = bpdkv("apply", str(topo), "-y")
     assert changed.returncode == 1 and "host3: reachable:" in changed.stderr, changed.stderr
+    for host in hosts.hosts:
+        assert list((host.fs / "etc/bpdkv").iterdir()) == []
+
+
+def test_sshd_killed_before_commit_is_dirty_then_repaired(hosts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    topo = write_topology(tmp_path / "t.yaml", topology_doc(hosts))
+    assert bpdkv("apply", str(topo), "-y").returncode == 0
+    doc = topology_doc(hosts)
+    doc["vllm"]["env"] = {"FAKE_VERSION": "v2"}
+    write_topology(topo, doc)
+    victim = hosts.hosts[1]
+
+    def connect(node: Node) -> Any:
+        inner = SshConnector(node, SshOptions(command_timeout=20))
+        return FaultyConnector(inner, "mv -f", RuntimeError("unused"), lambda: hosts.kill_host(victim)) if node.name == "host2" else inner
+
+    fleet = load_fleet(str(topo))
+    try:
+        report = apply_plan(fleet, plan_fleet(fleet, False, 3, connect), ApplyOptions(parallel=3, owner=lock_owner()))
+    finally:
+        fleet.close()
+        hosts.restart_host(victim)
+    assert report.exit_code == 1 and report.outcomes["host2"].status in (HostStatus.FAILED, HostStatus.DIRTY), report.to_json()
+    assert report.outcomes["host2"].status is not HostStatus.APPLIED
+    assert bpdkv("plan", str(topo)).returncode == 2  # the next plan shows the unfinished host
+    rerun = bpdkv("apply", str(topo), "-y", "--force-unlock")  # the dead run could not release host2's lock
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert bpdkv("plan", str(topo)).returncode == 0 and bpdkv("status", str(topo)).returncode == 0
+
+
+def test_tiny_full_tmpfs_refused_before_any_write(hosts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    topo = write_topology(tmp_path / "t.yaml", topology_doc(hosts))
+    hosts.exec(hosts.hosts[0], "mkdir -p /opt/bpdkv/bin && mount -t tmpfs -o size=16k tmpfs /opt/bpdkv/bin")
+    try:
+        refused = bpdkv("apply", str(topo), "-y")
+    finally:
+        hosts.exec(hosts.hosts[0], "umount /opt/bpdkv/bin")
+    assert refused.returncode == 1 and "host1: disk: /opt/bpdkv/bin: " in refused.stderr and "bytes free" in refused.stderr
     for host in hosts.hosts:
         assert list((host.fs / "etc/bpdkv").iterdir()) == []
 

@@ -185,3 +185,37 @@ def test_fault_on_one_host_is_reported_never_applied(tmp_path: Path, stage: str,
         assert any(c.startswith("set -u\nB=") and c.rstrip().endswith("restore") for c in ran) or outcome.status is HostStatus.DIRTY
     # the lock is always released and temp files removed
     assert any("apply.lock" in c and "rm -f" in c for c in ran)
+
+
+def test_commit_script_restores_every_file_when_a_rename_fails(tmp_path: Path) -> None:
+    """The real shell script on a real folder: the first file is renamed, the second rename fails → all put back."""
+    import hashlib
+    import subprocess
+
+    from bpdkv.deploy.runner import TMP_SUFFIX, commit_script
+
+    old = tmp_path / "etc" / "a.env"
+    old.parent.mkdir()
+    old.write_text("A=old\n")
+    (tmp_path / "etc" / ("a.env" + TMP_SUFFIX)).write_text("A=new\n")
+    created = tmp_path / "etc" / "b.env"
+    (tmp_path / "etc" / ("b.env" + TMP_SUFFIX)).write_text("B=new\n")
+    broken = tmp_path / "missing-folder" / "c.env"  # never staged: its chmod/mv fails
+    changes = [
+        ops.UploadFile(str(old), 0o600, hashlib.sha256(b"A=new\n").hexdigest()),
+        ops.UploadFile(str(created), 0o644, hashlib.sha256(b"B=new\n").hexdigest()),
+        ops.UploadFile(str(broken), 0o644, "0" * 64),
+    ]
+    script = commit_script(str(tmp_path / "backup"), changes)
+    proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    assert str(broken) in proc.stderr
+    assert old.read_text() == "A=old\n" and not created.exists()
+    assert sorted(p.name for p in (tmp_path / "etc").iterdir()) == ["a.env"]  # no temp file stays
+
+    # and when every rename works, the files are the new ones with their modes
+    (tmp_path / "etc" / ("a.env" + TMP_SUFFIX)).write_text("A=new\n")
+    (tmp_path / "etc" / ("b.env" + TMP_SUFFIX)).write_text("B=new\n")
+    ok = subprocess.run(["sh", "-c", commit_script(str(tmp_path / "backup"), changes[:2])], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    assert old.read_text() == "A=new\n" and created.read_text() == "B=new\n" and (old.stat().st_mode & 0o777) == 0o600
