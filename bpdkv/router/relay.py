@@ -22,8 +22,8 @@ from bpdkv import contracts
 
 EVENT_END = b"\n\n"
 PARAMS_MARK = contracts.KV_TRANSFER_PARAMS.encode()
-_TEXT = re.compile(rb'"(?:content|text)": ?"((?:[^"\\]|\\.)*)"')
-_NULL_FINISH = re.compile(rb'"finish_reason": ?null')
+_TEXT = re.compile(rb'"(?:content|text)": ?"([^"\\]*(?:\\.[^"\\]*)*)"')
+_FINISH = re.compile(rb'"finish_reason": ?"([^"\\]+)"')
 
 
 def sse_events(raw: bytes | Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
@@ -127,20 +127,18 @@ class Reply:
         return reply
 
     def _add_raw(self, raw: bytes) -> None:
-        """Events as D sent them. The common event — one choice, a plain text delta, not the last — gives its text
-        to a regular expression; anything else (finish, tool calls, reasoning, escapes) is parsed in full."""
-        for event in raw.split(EVENT_END):
-            if not event.startswith(b"data:"):
-                continue
-            if b"tool_calls" not in event and b"reasoning" not in event and _NULL_FINISH.search(event) and event.count(b'"index"') == 1:
-                match = _TEXT.search(event)
-                if match is not None:
-                    piece = match.group(1)
-                    self.content.append(piece.decode() if b"\\" not in piece else json.loads(b'"' + piece + b'"'))
-                    self.events += 1
-                    continue
-            for parsed in sse_events(event):
-                self.add_event(parsed)
+        """Events as D sent them. A plain text stream (no tool calls, no reasoning) gives its text to one regular
+        expression scan of the whole buffer and its finish reason to another; anything else is parsed event by event."""
+        if b"tool_calls" not in raw and b"reasoning" not in raw:
+            for piece in _TEXT.findall(raw):
+                self.content.append(piece.decode() if b"\\" not in piece else json.loads(b'"' + piece + b'"'))
+            finishes = _FINISH.findall(raw)
+            if finishes:
+                self.finish_reason = finishes[-1].decode()
+            self.events += raw.count(b"data: {") + raw.count(b"data:{")
+            return
+        for event in sse_events(raw):
+            self.add_event(event)
 
 
 def strip_params(events: bytes) -> tuple[bytes, dict[str, Any] | None]:

@@ -75,8 +75,11 @@ def canonical_message(msg: Any) -> bytes:
     """What the model sees of one message, exactly (content is not stripped or merged). Reasoning is left out."""
     if not isinstance(msg, dict):
         return _canon(msg)
-    content = msg.get("content")
-    canon: dict[str, Any] = {"role": msg.get("role"), "content": "" if content is None else content}
+    role, content = msg.get("role"), msg.get("content")
+    if type(role) is str and type(content) is str and not (msg.get("name") or msg.get("tool_call_id") or msg.get("tool_calls")):
+        # The common message, without building and sorting a dict (the router digests every message per request).
+        return b"m\x00" + role.encode() + b"\x00" + content.encode()
+    canon: dict[str, Any] = {"role": role, "content": "" if content is None else content}
     if msg.get("name"):
         canon["name"] = msg["name"]
     if msg.get("tool_call_id"):
@@ -84,6 +87,8 @@ def canonical_message(msg: Any) -> bytes:
     calls = msg.get("tool_calls")
     if isinstance(calls, list) and calls:
         canon["tool_calls"] = [_tool_call(c) for c in calls]
+    if type(canon["content"]) is str and type(role) is str and set(canon) == {"role", "content"}:
+        return b"m\x00" + role.encode() + b"\x00" + canon["content"].encode()  # null content is empty content
     return _canon(canon)
 
 
@@ -182,6 +187,7 @@ class Identity:
     with_reasoning: frozenset[str] = frozenset()  # chat: prefixes ending in an assistant turn that kept its reasoning
     tokens: tuple[int, ...] | None = None  # token-id prompt
     text: str | None = None  # text prompt (explicit ids only)
+    tip: bytes = b""  # chat: digest of the whole history of this request (the next turn's chain continues from it)
 
     def covers(self, entry: SessionEntry) -> bool:
         """The stored KV is a prefix of this request's prompt (the history matches)."""
@@ -214,7 +220,9 @@ def identify(route: str, tenant: str, body: dict[str, Any], session_id: str | No
         reasoning = frozenset(chain[i].hex() for i, m in enumerate(messages) if has_reasoning(m))
         prefixes = frozenset(h.hex() for h in chain[:-1])
         if explicit:
-            return Identity(scope, route, (_explicit_key(scope, explicit),), explicit, _h(scope, explicit.encode()), prefixes, reasoning)
+            return Identity(
+                scope, route, (_explicit_key(scope, explicit),), explicit, _h(scope, explicit.encode()), prefixes, reasoning, tip=chain[-1]
+            )
         if mode != "auto":
             return None
         keys: list[str] = []
@@ -223,7 +231,7 @@ def identify(route: str, tenant: str, body: dict[str, Any], session_id: str | No
                 keys.append("c:" + chain[i].hex())
                 if len(keys) >= MAX_CHAT_CANDIDATES:
                     break
-        return Identity(scope, route, tuple(keys), None, affinity, prefixes, reasoning)
+        return Identity(scope, route, tuple(keys), None, affinity, prefixes, reasoning, tip=chain[-1])
     prompt = body.get("prompt")
     tokens = _int_tokens(prompt)
     if explicit:
@@ -257,7 +265,7 @@ def to_store(
             return None
         visible = {k: v for k, v in reply.items() if k not in REASONING_FIELDS}
         entry.reasoning = has_reasoning(reply)
-        entry.history = chat_chain(ident.scope, [*body.get("messages", []), visible])[-1].hex()
+        entry.history = _h(ident.tip, canonical_message(visible)).hex()
         key = _explicit_key(ident.scope, ident.session_id) if ident.session_id else "c:" + entry.history
         return key, entry, ident.session_id is not None
     text = (reply or {}).get("content") if isinstance((reply or {}).get("content"), str) else ""
