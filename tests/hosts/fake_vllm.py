@@ -77,5 +77,14 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+if "--config" in args:  # a router config naming a TLS pair: serve HTTPS like the real router
+    cert, key = (re.search(rf"^{k}: (\S+)", text, re.M) for k in ("tls_cert_file", "tls_key_file"))
+    if cert and key:
+        import ssl
+
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(cert.group(1), key.group(1))
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
 print(f"fake_vllm listening on {port} args={args}", flush=True)
-ThreadingHTTPServer(("0.0.0.0", port), Handler).serve_forever()
+server.serve_forever()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import secrets as random_secrets
+import ssl
 import stat
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 
 from bpdkv.lab.hosts import PER_HOST_DIRS
 from tests.hosts.conftest import bpdkv, topology_doc, write_topology
+from tests.router.test_router_tls import CertificateAuthority
 from tests.unit.test_secrets import aws  # noqa: F401 - the moto server fixture
 
 pytestmark = pytest.mark.hosts
@@ -51,6 +54,9 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
     operator_secrets = tmp_path / "operator"
     operator_secrets.mkdir(mode=0o700)
     (operator_secrets / "tenant.key").write_text(values["tenant key (file)"] + "\n")
+    ca = CertificateAuthority(operator_secrets)  # the router serves HTTPS with a pair from secret references
+    ca.issue(operator_secrets / "router.crt", operator_secrets / "router.key", serial=42, ip="10.213.0.13")
+    values["tls key (file)"] = (operator_secrets / "router.key").read_text().splitlines()[1]  # a line of the key's body
     boto3.client("secretsmanager").create_secret(
         Name="bpdkv/scan", SecretString=json.dumps({"admin": values["admin key (secrets manager)"]})
     )
@@ -63,6 +69,7 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
         "api_keys": {"team-a": {"secret": {"file": "operator/tenant.key"}}},  # relative to the topology's folder
         "admin_key": {"secret": {"aws_secretsmanager": "bpdkv/scan", "key": "admin"}},
         "redis_password": {"secret": {"ssm": "/bpdkv/scan/redis"}},
+        "tls": {"cert": {"secret": {"file": "operator/router.crt"}}, "key": {"secret": {"file": "operator/router.key"}}},
     }
     topo = write_topology(tmp_path / "t.yaml", doc)
     outputs: dict[str, str] = {}
@@ -83,6 +90,11 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
     run("apply saved plan", "apply", str(saved), expect=0)
     run("plan after apply", "plan", str(topo), expect=0)  # converged: resolution is stable, digests match
     run("status", "status", str(topo), "--output", "json", expect=0)
+    # The router serves HTTPS (the gate above probed it so); a client that verifies with the CA gets through.
+    with urllib.request.urlopen(
+        "https://10.213.0.13:8000/health", timeout=5, context=ssl.create_default_context(cafile=str(ca.path))
+    ) as resp:
+        assert resp.status == 200
 
     # Rotation: a new HF token is a planned restart of every instance using it, and the diff shows no value.
     old_hf = values["hf token (env)"]
@@ -139,6 +151,7 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
         "host2:/etc/bpdkv/decode-0.env": "0o600",
         "host3:/etc/bpdkv/router-admin.key": "0o600",
         "host3:/etc/bpdkv/router-0.redis-password": "0o600",
+        "host3:/etc/bpdkv/router-0.tls.key": "0o600",
     }, holders
     assert not any("tenant" in label for _, found in holders.values() for label in found)
     keys = (hosts.hosts[2].fs / "etc/bpdkv/router-0.api-keys").read_text()
