@@ -237,7 +237,7 @@ class VllmEmulator:
                 contracts.REMOTE_PREFILL_CACHED_TOKENS: cached,
             }
             if pull_outcome is not None:
-                out_params[PULL_OUTCOME] = pull_outcome
+                out_params[contracts.PULL_OUTCOME] = pull_outcome
         elif isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and role in ("decode", "both"):
             prefill = FABRIC.get(str(params.get(contracts.REMOTE_ENGINE_ID)))
             held = prefill.held.pop(str(params.get(contracts.REMOTE_REQUEST_ID)), None) if prefill else None
@@ -563,7 +563,6 @@ def forced_text(body: dict[str, Any]) -> str | None:
 
 
 # ---- request checks with vLLM's answers (status, error type, param) ----------------------------------------------------
-PULL_OUTCOME = "bpdkv_pull_outcome"
 SYSTEM_FINGERPRINT = "fp_emulated"
 _ROLES = ("developer", "system", "user", "assistant", "tool", "function")
 _TRUE = {"1", "on", "t", "true", "y", "yes"}
