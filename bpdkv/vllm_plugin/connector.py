@@ -179,6 +179,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             # Nobody will offer this turn's KV again: free it now instead of holding it for the TTL.
             if self._drop_pending_send(request.request_id):
                 self._ledger.not_held()
+                self._stats.data[f"bpdkv_hold_released_{hold.ReleaseReason.NOT_OFFERED.value}"].append(1)
                 self._report_hold()
                 return False, self._with_announcements(None)
             self._ledger.hold(hold.Hold(request.request_id, 0, 0, math.inf))
