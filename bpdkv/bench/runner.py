@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from typing import Any
 import aiohttp
 
 from bpdkv.bench.workload import Conversation, WorkloadSpec
+from bpdkv.router.relay import sse_events
 
 SERVER_COUNTERS = {
     "external_tokens": ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
@@ -172,19 +172,17 @@ async def one_request(
                 buffer += chunk
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
-                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                        continue
-                    data = json.loads(event[6:])
-                    for choice in data.get("choices") or []:
-                        piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                        ids = choice.get("token_ids") or []
-                        if piece or ids:
-                            now = time.perf_counter() - start
-                            if first is None:
-                                first = now
-                            stamps.append(now)
-                            text.append(piece)
-                            token_ids += ids
+                    for data in sse_events(event):  # the router's one SSE parser
+                        for choice in data.get("choices") or []:
+                            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                            ids = choice.get("token_ids") or []
+                            if piece or ids:
+                                now = time.perf_counter() - start
+                                if first is None:
+                                    first = now
+                                stamps.append(now)
+                                text.append(piece)
+                                token_ids += ids
     e2e = time.perf_counter() - start
     itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
     return Sample(-1, -1, 0, first, itl, e2e, max(len(stamps), len(token_ids))), "".join(text), token_ids
