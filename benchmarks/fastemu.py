@@ -14,16 +14,18 @@ import signal
 import time
 import uuid
 
+from bpdkv import contracts as c
+
 P_PARAMS = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": [0, 1],
-    "remote_engine_id": "p-emu",
-    "remote_request_id": "",
-    "remote_host": "127.0.0.1",
-    "remote_port": 1,
+    c.DO_REMOTE_PREFILL: True,
+    c.DO_REMOTE_DECODE: False,
+    c.REMOTE_BLOCK_IDS: [0, 1],
+    c.REMOTE_ENGINE_ID: "p-emu",
+    c.REMOTE_REQUEST_ID: "",
+    c.REMOTE_HOST: "127.0.0.1",
+    c.REMOTE_PORT: 1,
     "tp_size": 1,
-    "remote_num_tokens": 32,
+    c.REMOTE_NUM_TOKENS: 32,
 }
 
 
@@ -51,7 +53,7 @@ class Streams:
                     )
                     chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}
                     if last and params is not None:
-                        chunk["kv_transfer_params"] = params
+                        chunk[c.KV_TRANSFER_PARAMS] = params
                     data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
                     if last:
                         data += b"data: [DONE]\n\n"
@@ -88,31 +90,31 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rol
                 continue
             req = json.loads(body)
             chat = path.endswith(b"chat/completions")
-            params = req.get("kv_transfer_params") or {}
+            params = req.get(c.KV_TRANSFER_PARAMS) or {}
             if role == "prefill":
                 out = dict(P_PARAMS, remote_request_id=uuid.uuid4().hex)
                 resp = {
                     "id": "p",
                     "object": "chat.completion",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "t"}, "finish_reason": "length"}],
-                    "kv_transfer_params": out,
+                    c.KV_TRANSFER_PARAMS: out,
                 }
                 payload = json.dumps(resp).encode()
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload))
                 continue
             d_params = None
-            if params.get("do_remote_prefill"):
+            if params.get(c.DO_REMOTE_PREFILL):
                 d_params = {
-                    "do_remote_prefill": False,
-                    "do_remote_decode": True,
-                    "remote_block_ids": [0, 1, 2],
-                    "remote_engine_id": "d-emu",
-                    "remote_request_id": uuid.uuid4().hex,
-                    "remote_host": "127.0.0.1",
-                    "remote_port": 2,
+                    c.DO_REMOTE_PREFILL: False,
+                    c.DO_REMOTE_DECODE: True,
+                    c.REMOTE_BLOCK_IDS: [0, 1, 2],
+                    c.REMOTE_ENGINE_ID: "d-emu",
+                    c.REMOTE_REQUEST_ID: uuid.uuid4().hex,
+                    c.REMOTE_HOST: "127.0.0.1",
+                    c.REMOTE_PORT: 2,
                     "tp_size": 1,
-                    "remote_num_tokens": 95,
-                    "remote_blocks_expires_in": 480,
+                    c.REMOTE_NUM_TOKENS: 95,
+                    c.REMOTE_BLOCKS_EXPIRES_IN: 480,
                     "transfer_mode": "pull",
                 }
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
