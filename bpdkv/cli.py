@@ -637,36 +637,11 @@ def calibrate(
     from rich.console import Console
     from rich.table import Table
 
-    from bpdkv.bench.calibrate import TAIL_TOKENS, override_yaml, table
     from bpdkv.bench.calibrate import calibrate as run_calibration
-    from bpdkv.errors import UsageError
+    from bpdkv.bench.calibrate import override_yaml, table, targets
 
-    block = threshold = max_len = None
-    gpu = True
-    if topology is not None:
-        topo = _load(topology).topology
-        if not topo.instances("prefill") or not topo.instances("decode"):
-            raise UsageError(f"{topology}: needs a prefill and a decode instance")
-        pn, pi = topo.instances("prefill")[0]
-        dn, di = topo.instances("decode")[0]
-        prefill_url = prefill_url or f"http://{pn.host}:{pi.port}"
-        decode_url = decode_url or f"http://{dn.host}:{di.port}"
-        model = model or topo.model.served_name
-        block, threshold, max_len = pi.block_size, topo.kv_transfer.kv_recompute_threshold, topo.model.max_model_len
-        gpu = pn.accelerator == "gpu"
-    block = block_size or block
-    if not prefill_url or not decode_url or not model:
-        raise UsageError("give a TOPOLOGY, or --prefill URL --decode URL --model NAME")
-    if sizes:
-        try:
-            ns = sorted({int(x) for x in sizes.split(",") if x.strip()})
-        except ValueError:
-            raise UsageError(f"--sizes {sizes!r}: comma-separated whole numbers, e.g. 128,256,512") from None
-        if not ns or ns[0] < 2:
-            raise UsageError(f"--sizes {sizes!r}: every size must be at least 2")
-    else:
-        limit = (max_len or 8192) - TAIL_TOKENS - 2
-        ns = [b * (block or 16) for b in (1, 2, 4, 8, 16, 32, 64) if b * (block or 16) <= limit]
+    t = targets(_load(topology).topology if topology is not None else None, topology, prefill_url, decode_url, model, sizes, block_size)
+    prefill_url, decode_url, model, ns, block, threshold, gpu = t.prefill, t.decode, t.model, t.sizes, t.block_size, t.threshold, t.gpu
     console = Console(highlight=False)
     console.print(f"calibrating P {prefill_url} vs pulls from D {decode_url}: N = {', '.join(map(str, ns))}, {repeat} repeats")
     cal = run_calibration(

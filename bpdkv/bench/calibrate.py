@@ -181,6 +181,59 @@ def descriptor_flag(sizes: list[SizeResult], block_size: int | None, gpu: bool) 
     )
 
 
+@dataclass(frozen=True)
+class Targets:
+    """Which P and D to measure, with what: from a topology's first prefill/decode instance and/or explicit values."""
+
+    prefill: str
+    decode: str
+    model: str
+    sizes: list[int]
+    block_size: int | None
+    threshold: int | None
+    gpu: bool
+
+
+def targets(
+    topology: Any,
+    source: str | None,
+    prefill_url: str | None,
+    decode_url: str | None,
+    model: str | None,
+    sizes: str | None,
+    block_size: int | None,
+) -> Targets:
+    """`topology` is a validated Topology (or None); explicit values win over it. Bad input: one UsageError line."""
+    from bpdkv.errors import UsageError
+
+    block = threshold = max_len = None
+    gpu = True
+    if topology is not None:
+        if not topology.instances("prefill") or not topology.instances("decode"):
+            raise UsageError(f"{source}: needs a prefill and a decode instance")
+        pn, pi = topology.instances("prefill")[0]
+        dn, di = topology.instances("decode")[0]
+        prefill_url = prefill_url or f"http://{pn.host}:{pi.port}"
+        decode_url = decode_url or f"http://{dn.host}:{di.port}"
+        model = model or topology.model.served_name
+        block, threshold, max_len = pi.block_size, topology.kv_transfer.kv_recompute_threshold, topology.model.max_model_len
+        gpu = pn.accelerator == "gpu"
+    block = block_size or block
+    if not prefill_url or not decode_url or not model:
+        raise UsageError("give a TOPOLOGY, or --prefill URL --decode URL --model NAME")
+    if sizes:
+        try:
+            ns = sorted({int(x) for x in sizes.split(",") if x.strip()})
+        except ValueError:
+            raise UsageError(f"--sizes {sizes!r}: comma-separated whole numbers, e.g. 128,256,512") from None
+        if not ns or ns[0] < 2:
+            raise UsageError(f"--sizes {sizes!r}: every size must be at least 2")
+    else:
+        limit = (max_len or 8192) - TAIL_TOKENS - 2
+        ns = [b * (block or 16) for b in (1, 2, 4, 8, 16, 32, 64) if b * (block or 16) <= limit]
+    return Targets(prefill_url, decode_url, model, ns, block, threshold, gpu)
+
+
 def calibrate(
     prefill: str,
     decode: str,
