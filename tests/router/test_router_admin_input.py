@@ -171,3 +171,24 @@ def test_router_serves_after_fuzzing(fuzz_fleet: Any) -> None:
     text, _ = chat(fuzz_fleet.url, [{"role": "user", "content": "still there?"}])
     assert text
     assert fuzz_fleet.metric("bpdkv_router_requests_total", route=CHAT, status="500") == 0
+
+
+def test_sessions_on_a_drained_decode_are_still_pulled(fleet_factory, reference) -> None:  # type: ignore[no-untyped-def]
+    fleet = fleet_factory(n_decode=2, p_settings={"prefix_caching": False})
+    messages = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "first"}]
+    text, _ = chat(fleet.url, messages)
+    holder = next(i for i, d in enumerate(fleet.decode) if d.held)
+    assert httpx.post(fleet.url + f"/admin/upstreams/decode-{holder}/drain", timeout=10).json()["state"] == "drained"
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "second"}]
+    before = len(fleet.decode[holder].requests)
+    text2, _ = chat(fleet.url, messages)
+    assert text2 == chat(reference, messages)[0]
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 1  # P pulled from the drained D
+    assert len(fleet.decode[holder].requests) == before  # but D's new work went elsewhere
+    # Undrain (after a restart, as apply does): what it held before is no longer offered.
+    other = 1 - holder
+    messages += [{"role": "assistant", "content": text2}, {"role": "user", "content": "third"}]
+    httpx.post(fleet.url + f"/admin/upstreams/decode-{other}/drain", timeout=10)
+    httpx.post(fleet.url + f"/admin/upstreams/decode-{other}/undrain", timeout=10)
+    chat(fleet.url, messages)
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="refused") == 1
