@@ -49,6 +49,12 @@ T = TypeVar("T")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+# Keys of D's answer that are news for the router, not part of where the blocks are.
+ANNOUNCEMENT_KEYS = frozenset({contracts.RELEASED_REQUEST_IDS, contracts.PULL_OUTCOME})
+
+
+def _release_key(decode: str, request_id: Any) -> str:
+    return f"{decode}:{request_id}"
 
 
 class ClientGone(Exception):
@@ -455,6 +461,12 @@ class Router:
             self.metrics.store_errors.inc()
             return None, Reuse.UNAVAILABLE
         if entry is not None:
+            try:
+                if await self.store.is_released(_release_key(entry.decode, entry.params.get(contracts.REMOTE_REQUEST_ID))):
+                    return None, Reuse.REFUSED  # D gave those blocks up (hold budget): they may hold others' KV now
+            except sessions.StoreUnavailable:
+                self.metrics.store_errors.inc()
+                return None, Reuse.UNAVAILABLE  # cannot tell: never risk another conversation's KV
             return entry, ident.outcome_of(entry)
         for outcome in (Reuse.REFUSED, Reuse.EXPIRED, Reuse.MISMATCH):
             if outcome in seen:
@@ -462,7 +474,7 @@ class Router:
         return None, Reuse.MISS
 
     async def remember(self, ident: sessions.Identity, body: dict[str, Any], reply: Reply, decode: str) -> None:
-        params = reply.params or {}
+        params = {k: v for k, v in (reply.params or {}).items() if k not in ANNOUNCEMENT_KEYS}
         ttl = self.config.session_ttl
         # A patched D (bpdkv node plugin) says how long its blocks live in relative seconds, which needs no clock sync.
         expires_in = params.get(contracts.REMOTE_BLOCKS_EXPIRES_IN)
@@ -486,6 +498,7 @@ class Router:
 
     async def _after_decode(self, ident: sessions.Identity | None, body: dict[str, Any], reply: Reply, member: Upstream) -> None:
         self.turn.observe_decode(member, reply.params)
+        await self._note_released(member, reply.params)
         if not self.config.reuse or ident is None:
             return
         if reply.params is None:
@@ -494,6 +507,19 @@ class Router:
             return
         if reply.finish_reason in REUSABLE_FINISH and usable_d_params(reply.params):
             await self.remember(ident, body, reply, member.name)
+
+    async def _note_released(self, member: Upstream, params: dict[str, Any] | None) -> None:
+        """D (bpdkv plugin, hold budget) names held blocks it let go since its previous answer; whichever router
+        worker hears it, every worker must refuse entries pointing at them (the store shares the marks)."""
+        ids = params.get(contracts.RELEASED_REQUEST_IDS) if params else None
+        if not isinstance(ids, list) or not ids:
+            return
+        keys = [_release_key(member.name, rid) for rid in ids if isinstance(rid, str)]
+        self.metrics.released.inc(len(keys))
+        try:
+            await self.store.mark_released(keys, self.config.session_ttl + self.config.expiry_margin)
+        except sessions.StoreUnavailable:
+            self.metrics.store_errors.inc()
 
     def _d_params_missing(self, member: Upstream) -> None:
         self.metrics.d_params_missing.inc()
@@ -572,7 +598,8 @@ class Router:
         if isinstance(prefilled, Passthrough):
             return _passthrough(prefilled.answer)
         stream = bool(body.get("stream"))
-        decoded = await self._race_disconnect(request, self.turn.decode(route, body, prefilled.params, headers, stream))
+        hold = self.config.reuse and ident is not None  # else D need not keep this turn's blocks
+        decoded = await self._race_disconnect(request, self.turn.decode(route, body, prefilled.params, headers, stream, hold))
         if isinstance(decoded, NoUpstream):
             return _error(502, decoded.message, "upstream_error")
         if isinstance(decoded, Passthrough):
@@ -617,6 +644,7 @@ class Router:
                 await self._after_decode(ident, body, reply, member)
             else:
                 self.turn.observe_decode(member, outcome.params)
+                await self._note_released(member, outcome.params)
 
         return SseRelay(
             decoded.chunks,

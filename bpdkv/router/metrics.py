@@ -25,6 +25,10 @@ class RouterMetrics:
         self.reuse_fallbacks = Counter(
             "bpdkv_router_reuse_fallbacks", "Turns P failed while pulling D's KV, served again without D's params", ["reason"], registry=r
         )
+        self.pull_outcomes = Counter(
+            "bpdkv_router_pull_outcomes", "What P's connector did with the D blocks offered (bpdkv plugin)", ["outcome"], registry=r
+        )
+        self.released = Counter("bpdkv_router_released_holds", "Held D blocks D announced it let go (never offered again)", registry=r)
         self.rejected = Counter("bpdkv_router_rejected", "Requests the router refused before any upstream saw them", ["reason"], registry=r)
         self.d_params_missing = Counter(
             "bpdkv_router_d_params_missing", "D finished without returning kv_transfer_params (unpatched streaming?)", registry=r

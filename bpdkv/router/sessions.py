@@ -298,6 +298,12 @@ class SessionStore(Protocol):
         DROP are deleted, LEAVE ones stay untouched. Also returns the verdicts given, for the outcome metric."""
         ...
 
+    async def mark_released(self, keys: list[str], ttl: float) -> None:
+        """D let these held blocks go (its hold budget): an entry pointing at them must never reach P."""
+        ...
+
+    async def is_released(self, key: str) -> bool: ...
+
     async def count(self) -> int: ...
 
     async def close(self) -> None: ...
@@ -308,8 +314,20 @@ class MemoryStore:
 
     def __init__(self, max_entries: int = 200_000, clock: Callable[[], float] = time.time) -> None:
         self._data: dict[str, SessionEntry] = {}
+        self._released: dict[str, float] = {}  # key -> until (router clock)
         self._max = max_entries
         self._clock = clock
+
+    async def mark_released(self, keys: list[str], ttl: float) -> None:
+        now = self._clock()
+        for key in keys:
+            self._released.pop(key, None)
+            self._released[key] = now + ttl
+        while self._released and (len(self._released) > self._max or next(iter(self._released.values())) <= now):
+            del self._released[next(iter(self._released))]
+
+    async def is_released(self, key: str) -> bool:
+        return self._released.get(key, 0.0) > self._clock()
 
     async def put(self, key: str, entry: SessionEntry, ttl: float, only_if_absent: bool = False) -> bool:
         if only_if_absent:
@@ -372,6 +390,7 @@ class RedisStore:
     """Shared by router replicas. Any Redis failure raises StoreUnavailable; the caller serves without reuse."""
 
     PREFIX = "bpdkv:s:"
+    RELEASED = "bpdkv:r:"
 
     def __init__(self, url: str, timeout: float = 0.25, **options: Any) -> None:
         import redis.asyncio as aioredis
@@ -414,6 +433,17 @@ class RedisStore:
             if verdict is Verdict.TAKE and deleted and entry is not None:
                 return entry, verdicts
         return None, verdicts
+
+    async def mark_released(self, keys: list[str], ttl: float) -> None:
+        if not keys:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(self.RELEASED + key, b"1", px=max(int(ttl * 1000), 1))
+        await self._call(pipe.execute())
+
+    async def is_released(self, key: str) -> bool:
+        return bool(await self._call(self._redis.exists(self.RELEASED + key)))
 
     async def count(self) -> int:
         total = 0

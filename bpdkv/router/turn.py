@@ -50,10 +50,11 @@ def prefill_body(body: dict[str, Any], d_params: dict[str, Any] | None, fresh_sa
     return req
 
 
-def decode_body(body: dict[str, Any], p_params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(body: dict[str, Any], p_params: dict[str, Any] | None, hold: bool = True) -> dict[str, Any]:
+    """The decode request; hold=False tells D (bpdkv plugin) that nobody will offer this turn's KV again."""
     req = dict(body)
     if p_params:
-        req[contracts.KV_TRANSFER_PARAMS] = p_params
+        req[contracts.KV_TRANSFER_PARAMS] = p_params if hold else dict(p_params, **{contracts.HOLD: False})
     return req
 
 
@@ -221,6 +222,9 @@ class PdTurn:
                 params = params_of(got.json())
             except ValueError:
                 params = None
+            outcome = params.get(contracts.PULL_OUTCOME) if params else None
+            if isinstance(outcome, str):  # P's connector says what became of D's blocks (verified, cut, mismatch …)
+                self.metrics.pull_outcomes.labels(outcome).inc()
             return Prefilled(params, member, fell_back)
         return NoUpstream(f"no prefill upstream succeeded ({last})")
 
@@ -236,11 +240,11 @@ class PdTurn:
             member.observe_engine(engine, self.clock(), fresh=True)
 
     async def decode(
-        self, route: str, body: dict[str, Any], p_params: dict[str, Any] | None, headers: dict[str, str], stream: bool
+        self, route: str, body: dict[str, Any], p_params: dict[str, Any] | None, headers: dict[str, str], stream: bool, hold: bool = True
     ) -> DecodedWhole | DecodeStream | Passthrough | NoUpstream:
         t = self.timeouts
         last = "no decode upstream available"
-        payload = json.dumps(decode_body(body, p_params), separators=(",", ":")).encode()
+        payload = json.dumps(decode_body(body, p_params, hold), separators=(",", ":")).encode()
         hdrs = dict(headers, **{"content-type": "application/json"})
         for member in self.attempts(self.decode_pool, None):
             t0 = time.perf_counter()

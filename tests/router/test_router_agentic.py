@@ -162,3 +162,39 @@ def test_conversation_still_hits_after_all_this(fleet_factory, reference) -> Non
     fleet = fleet_factory()
     assert conversation(fleet.url, turns=3, stream=True) == conversation(reference, turns=3)
     assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 2
+
+
+def test_blocks_decode_let_go_are_never_offered(fleet_factory) -> None:  # type: ignore[no-untyped-def]
+    """D's hold budget: D announces (in any later answer) the held blocks it released; the router never offers them."""
+    from bpdkv import contracts
+
+    fleet = fleet_factory(p_settings={"prefix_caching": False})
+    d = fleet.decode[0]
+    mine = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+    text, _ = chat(fleet.url, mine)
+    (released,) = list(d.held)
+    original = d._hold_for_next_turn
+
+    def announcing(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        params = original(*args, **kwargs)
+        params[contracts.RELEASED_REQUEST_IDS] = [released]
+        return params
+
+    d._hold_for_next_turn = announcing  # type: ignore[method-assign]
+    chat(fleet.url, [{"role": "user", "content": "another conversation"}])
+    d._hold_for_next_turn = original  # type: ignore[method-assign]
+    assert fleet.metric("bpdkv_router_released_holds_total") == 1
+    mine += [{"role": "assistant", "content": text}, {"role": "user", "content": "second"}]
+    chat(fleet.url, mine)
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="refused") == 1
+    assert fleet.prefill[0].requests[-1]["kv_transfer_params"]["remote_block_ids"] is None
+
+
+def test_turns_nobody_will_reuse_tell_decode_not_to_hold(fleet_factory) -> None:  # type: ignore[no-untyped-def]
+    from bpdkv import contracts
+
+    fleet = fleet_factory()
+    chat(fleet.url, [{"role": "user", "content": "x"}], headers={"X-Bpdkv-Reuse": "off"})
+    assert fleet.decode[0].requests[-1]["kv_transfer_params"][contracts.HOLD] is False
+    chat(fleet.url, [{"role": "user", "content": "y"}])
+    assert contracts.HOLD not in fleet.decode[0].requests[-1]["kv_transfer_params"]

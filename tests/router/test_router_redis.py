@@ -64,3 +64,18 @@ def test_session_id_takeover_refused_with_redis(fleet_factory, redis_server) -> 
     assert fleet.metric("bpdkv_router_sessions_not_stored_total", 1) == 1
     chat(b, mine, headers=sid)
     assert fleet.metric("bpdkv_router_reuse_total", 1, outcome="hit") == 1
+
+
+def test_released_holds_are_shared_through_redis(redis_server) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    async def scenario() -> tuple[bool, bool]:
+        a, b = RedisStore(redis_server["url"]), RedisStore(redis_server["url"])
+        try:
+            await a.mark_released(["decode-0:rid-1"], 30)
+            return await b.is_released("decode-0:rid-1"), await b.is_released("decode-0:rid-2")
+        finally:
+            await a.close()
+            await b.close()
+
+    assert asyncio.run(scenario()) == (True, False)
