@@ -27,11 +27,16 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--restart-every", type=float, default=30, help="seconds between two upstream crashes")
     ap.add_argument("--down-seconds", type=float, default=2)
+    ap.add_argument("--think-seconds", type=float, default=0, help="pause between turns of half the clients")
     ap.add_argument("--growth-bound-mb", type=float, default=25)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
     settings = SoakSettings(
-        duration=args.seconds, concurrency=args.concurrency, restart_every=args.restart_every, down_seconds=args.down_seconds
+        duration=args.seconds,
+        concurrency=args.concurrency,
+        restart_every=args.restart_every,
+        down_seconds=args.down_seconds,
+        think_seconds=args.think_seconds,
     )
     report = run_soak(settings)
     summary = report.summary()

@@ -45,6 +45,7 @@ class SoakSettings:
     down_seconds: float = 2.0
     request_timeout: float = 30.0
     max_tokens: int = 24
+    think_seconds: float = 0.0  # pause between turns (an agent running its tools): conversations outlive restarts
     decoder_ttl: float = 30.0  # short, so the router's sessions expire during the soak and memory must stay flat
     token_interval: float = 0.004
     rss_every: float = 2.0
@@ -294,6 +295,8 @@ async def _client(fleet: SoakFleet, settings: SoakSettings, report: SoakReport, 
                 if outcome is not Outcome.OK:
                     break  # start a new conversation
                 messages.append({"role": "assistant", "content": text})
+                if settings.think_seconds and cid % 2:
+                    await asyncio.sleep(settings.think_seconds * (1 + (cid + turn) % 3) / 2)
 
 
 async def _restarter(fleet: SoakFleet, settings: SoakSettings, report: SoakReport, t0: float, stop_at: float) -> None:

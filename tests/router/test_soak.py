@@ -18,7 +18,10 @@ SECONDS = float(os.environ.get("BPDKV_SOAK_SECONDS", "75"))
 
 
 def test_soak_with_restarts_of_prefill_and_decode() -> None:
-    settings = SoakSettings(duration=SECONDS, concurrency=6, restart_every=max(SECONDS / 10, 5.0), down_seconds=2.0, request_timeout=20.0)
+    # Half the clients pause between turns (an agent running its tools), so conversations outlive their D's restart.
+    settings = SoakSettings(
+        duration=SECONDS, concurrency=9, restart_every=max(SECONDS / 10, 5.0), down_seconds=2.0, request_timeout=20.0, think_seconds=0.5
+    )
     report = run_soak(settings)
     summary = report.summary()
     print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=1))
