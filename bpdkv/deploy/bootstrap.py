@@ -28,7 +28,7 @@ SOURCE_MARKER = ".bpdkv-source"  # in the venv: the source digest of the bpdkv i
 CREATED_MARKER = ".bpdkv-created"  # in the venv: bootstrap made it, so destroy may remove it (never a user's own venv)
 BASE_PTH = "bpdkv-base-venv.pth"  # in the venv's site-packages: the base environment's site-packages
 WHEELHOUSE_MANIFEST = "bpdkv-wheelhouse.json"
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the bpdkv package (this file is bpdkv/deploy/bootstrap.py)
 
 
 class BootstrapError(BpdkvError):
@@ -214,6 +214,9 @@ def repack_installed_wheel(out: Path) -> Path:
 
     dist = distribution("bpdkv")
     site = Path(str(dist.locate_file("")))
+    if json.loads(dist.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable"):
+        # An editable install's files are a path hook to a source tree, not bpdkv: nodes would import the CLI's checkout.
+        raise BootstrapError(f"cannot build bpdkv's wheel: bpdkv at {site} is an editable install and its source tree was not found")
     skip = ("INSTALLER", "REQUESTED", "direct_url.json", "RECORD")
     files = [
         f
