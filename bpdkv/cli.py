@@ -709,7 +709,9 @@ def calibrate(
 @click.option("--think-sigma", default=1.0, show_default=True, type=click.FloatRange(0), help="Sustained: log-normal sigma of it.")
 @click.option("--allow-warm", is_flag=True, help="Report modes whose prompts P already held instead of failing.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot (by turn/history, or over time).")
+@click.option(
+    "--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot (by turn/history, or over time)."
+)
 @user_errors
 def bench(
     target: str,

@@ -27,7 +27,13 @@ elif "--config" in args:
         if line in ("prefill:", "decode:"):
             role = line[:-1]
         elif role and line.startswith("- name: "):
-            upstreams[line[len("- name: ") :]] = {"name": line[len("- name: ") :], "role": role, "url": "", "state": "serving", "in_flight": 0}
+            upstreams[line[len("- name: ") :]] = {
+                "name": line[len("- name: ") :],
+                "role": role,
+                "url": "",
+                "state": "serving",
+                "in_flight": 0,
+            }
         elif not line.startswith(" "):
             role = None
 if port is None:
