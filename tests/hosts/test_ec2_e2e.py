@@ -145,3 +145,44 @@ def test_ec2_inventory_plan_apply_on_test_hosts(hosts, aws_env: dict[str, str], 
     assert f"group prefill: +{extra}" in refused.stdout + refused.stderr
     with urllib.request.urlopen("http://10.213.0.11:8100/version", timeout=5) as resp:
         assert resp.read().decode() == "v1"  # nothing was applied
+
+
+def test_plan_refuses_hosts_that_are_not_their_instance_type(hosts, aws_env: dict[str, str], tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Instances claim to be p5en.48xlarge but are the CPU test hosts: the hardware facts, gathered over SSH, make
+    plan refuse them with one line per host and fact, and nothing is written."""
+    ec2 = boto3.client(
+        "ec2", region_name=REGION, endpoint_url=aws_env["AWS_ENDPOINT_URL"], aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
+    vpc = ec2.create_vpc(CidrBlock="10.213.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.213.0.0/24")["Subnet"]["SubnetId"]
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    for role, address in (("gpu-prefill", "10.213.0.11"), ("gpu-decode", "10.213.0.12")):
+        ec2.run_instances(
+            ImageId=image,
+            MinCount=1,
+            MaxCount=1,
+            InstanceType="p5en.48xlarge",
+            SubnetId=subnet,
+            PrivateIpAddress=address,
+            TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": "role", "Value": role}, {"Key": "Name", "Value": role}]}],
+        )
+    doc = topology_doc(hosts)
+    doc["nodes"] = [n for n in doc["nodes"] if n["name"] == "host3"]  # the router stays a written CPU node
+    doc["model"] = {"max_model_len": 2048}
+    doc["node_groups"] = [
+        {
+            "name": role,
+            "ec2": {"region": REGION, "filters": {"tag:role": f"gpu-{role}"}, "names": ["tag:Name"]},
+            "instances": [{"role": role, "gpus": [0, 1, 2, 3, 4, 5, 6, 7], "tp": 8}],
+        }
+        for role in ("prefill", "decode")
+    ]
+    topo = write_topology(tmp_path / "gpu.yaml", doc)
+    planned = run(aws_env, "plan", str(topo))
+    output = planned.stdout + planned.stderr
+    assert planned.returncode == 1, output
+    for node in ("gpu-prefill", "gpu-decode"):
+        assert f"{node}: gpus: no GPU list (bpdkv: nvidia-smi not found)" in output, output
+        assert f"{node}: efa devices: 0 EFA device(s) in /sys/class/infiniband, p5en.48xlarge has 16" in output
+        assert f"{node}: libfabric: fi_info not found" in output
+    assert not (hosts.hosts[0].fs / "etc/bpdkv/manifest.json").exists()
