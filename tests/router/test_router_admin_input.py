@@ -41,9 +41,13 @@ def test_drain_stops_new_requests_and_waits_for_in_flight(fleet_factory) -> None
     deadline = time.monotonic() + 10
     while upstreams(fleet.url)["decode-0"]["in_flight"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
+    # The lease is taken before the request reaches D: wait until D has it, or it would count as "new" below.
+    while not fleet.decode[0].requests and time.monotonic() < deadline:
+        time.sleep(0.01)
     drained = httpx.post(fleet.url + "/admin/upstreams/decode-0/drain", timeout=10).json()
     assert drained["state"] == "draining" and drained["in_flight"] == 1
     before = len(fleet.decode[0].requests)
+    assert before == 1
     for i in range(4):
         chat(fleet.url, [{"role": "user", "content": f"new {i}"}])
     assert len(fleet.decode[0].requests) == before  # no new requests on a draining D
