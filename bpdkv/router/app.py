@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import aiohttp
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -51,6 +50,7 @@ COMPLETIONS = "/v1/completions"
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 # Keys of D's answer that are news for the router, not part of where the blocks are.
 ANNOUNCEMENT_KEYS = frozenset({contracts.RELEASED_REQUEST_IDS, contracts.PULL_OUTCOME})
+GAUGE_REFRESH_S = 1.0  # how stale a worker's upstream gauges may be in a multi-worker scrape
 
 
 def _release_key(decode: str, request_id: Any) -> str:
@@ -197,6 +197,7 @@ class Router:
         self.turn = PdTurn(self.prefill, self.decode, self.metrics, config.timeouts, self._session, clock)
         self._stop = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
+        self._gauge_task: asyncio.Task[None] | None = None
         self._warned_missing = False
         key_env = config.backend_api_key_env
         self._backend_key = os.environ.get(key_env) if key_env else None
@@ -276,15 +277,18 @@ class Router:
             self._health_task = asyncio.create_task(
                 health_loop([self.prefill, self.decode], self.client, self.config.health.interval, self._stop)
             )
+        if self.metrics.multiprocess_dir is not None:
+            self._gauge_task = asyncio.create_task(self._upstream_gauge_loop())
 
     async def stop(self) -> None:
         self._stop.set()
-        if self._health_task:
-            self._health_task.cancel()
-            try:
-                await self._health_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        for task in (self._health_task, self._gauge_task):
+            if task:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
         if self.client:
             await self.client.close()
         await self.store.close()
@@ -315,17 +319,29 @@ class Router:
             return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model", "owned_by": "bpdkv"}]})
         return _error(503, "no upstream answered /v1/models")
 
-    async def metrics_endpoint(self, request: Request) -> Response:
+    def _set_upstream_gauges(self) -> None:
         now = time.monotonic()
         for pool in (self.prefill, self.decode):
             for m in pool.members:
                 self.metrics.backend_healthy.labels(pool.role, m.name).set(1 if m.available(now) else 0)
                 self.metrics.outstanding.labels(pool.role, m.name).set(m.outstanding)
+
+    async def _upstream_gauge_loop(self) -> None:
+        """Multiprocess mode: a scrape reaches one worker, so every worker writes its upstream gauges each second."""
+        while not self._stop.is_set():
+            self._set_upstream_gauges()
+            try:
+                await asyncio.wait_for(self._stop.wait(), GAUGE_REFRESH_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self._set_upstream_gauges()
         try:
             self.metrics.active_sessions.set(await self.store.count())
         except sessions.StoreUnavailable:
             self.metrics.store_errors.inc()
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def check_health_now(self) -> None:
         await check_all([self.prefill, self.decode], self._session(), timeout=2.0)

@@ -1,8 +1,20 @@
-"""Prometheus metrics of one router (own registry, so several routers can live in one process)."""
+"""Prometheus metrics of one router (own registry, so several routers can live in one process).
+
+With several worker processes a scrape lands on any one of them, so the supervisor gives every worker the same
+PROMETHEUS_MULTIPROC_DIR (prometheus-client's multiprocess mode: each process writes its values to memory-mapped files
+there) and /metrics aggregates all the workers' files. prometheus-client picks its value storage when it is first
+imported, so the variable must be in the worker's environment from its start: the supervisor sets it only for workers,
+and a single router keeps the plain in-memory values (no file writes on the hot path).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -10,6 +22,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self.multiprocess_dir = os.environ.get(MULTIPROC_DIR_ENV) or None
         r = self.registry
         self.requests = Counter("bpdkv_router_requests", "Client requests by route and status", ["route", "status"], registry=r)
         self.reuse = Counter(
@@ -43,9 +56,36 @@ class RouterMetrics:
         )
         self.upstream_errors = Counter("bpdkv_router_upstream_errors", "Upstream failures", ["role", "upstream", "kind"], registry=r)
         self.retries = Counter("bpdkv_router_retries", "Requests retried on another upstream", ["role"], registry=r)
-        self.active_sessions = Gauge("bpdkv_router_active_sessions", "Stored, unexpired sessions", registry=r)
-        self.backend_healthy = Gauge("bpdkv_router_backend_healthy", "1 if the upstream is usable", ["role", "upstream"], registry=r)
-        self.outstanding = Gauge("bpdkv_router_backend_outstanding", "Requests in flight per upstream", ["role", "upstream"], registry=r)
+        self.active_sessions = Gauge(
+            # The count comes from the shared store, the same for every worker: the latest one set is right.
+            "bpdkv_router_active_sessions",
+            "Stored, unexpired sessions",
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.backend_healthy = Gauge(
+            # Each worker has its own health view: 1 only if every live worker finds the upstream usable.
+            "bpdkv_router_backend_healthy",
+            "1 if the upstream is usable",
+            ["role", "upstream"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.outstanding = Gauge(
+            "bpdkv_router_backend_outstanding",
+            "Requests in flight per upstream",
+            ["role", "upstream"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.store_errors = Counter("bpdkv_router_store_errors", "Session store (Redis) failures; served without reuse", registry=r)
         self.disconnects = Counter("bpdkv_router_client_disconnects", "Clients that went away mid-request", registry=r)
-        self.in_flight = Gauge("bpdkv_router_in_flight", "Client requests in flight", registry=r)
+        self.in_flight = Gauge("bpdkv_router_in_flight", "Client requests in flight", registry=r, multiprocess_mode="livesum")
+
+    def exposition(self) -> bytes:
+        """The text /metrics answers: this router's registry, or every worker's values in multiprocess mode."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, self.multiprocess_dir)
+        return generate_latest(registry)

@@ -4,7 +4,8 @@ Workers each bind the port with SO_REUSEPORT (the kernel spreads connections ove
 Redis. Without an external Redis, render points `state` at a redis-server the supervisor starts itself from
 `local_redis_conf` (the distribution's package, installed by apply), before the workers and stopped after them: one
 systemd unit, one lifecycle. A worker that dies takes the supervisor down with a non-zero exit, so systemd restarts
-the whole router instead of it serving on fewer cores unnoticed.
+the whole router instead of it serving on fewer cores unnoticed. The supervisor also owns the workers' shared
+metrics directory (see metrics.py): created before them, removed after them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 import uvicorn
 
 from bpdkv.router.config import RouterConfig, RouterConfigError, config_from_dict, config_problems, config_to_dict
+from bpdkv.router.metrics import MULTIPROC_DIR_ENV
 
 log = logging.getLogger("bpdkv.router")
 WORKER_CONFIG_ENV = "BPDKV_ROUTER_WORKER_CONFIG"
@@ -114,6 +117,13 @@ def supervise(config: RouterConfig, workers: int, log_level: str) -> int:
     """Start [redis-server,] N workers; return when one of them ends (its code) or on SIGTERM/SIGINT (0)."""
     redis_proc = _start_local_redis(config.local_redis_conf) if config.local_redis_conf else None
     env = dict(os.environ, **{WORKER_CONFIG_ENV: json.dumps(config_to_dict(config))})
+    # One metrics directory per run (never a previous run's counters), shared by the workers so that /metrics on
+    # any of them aggregates all; one worker keeps plain in-memory metrics.
+    metrics_dir = tempfile.mkdtemp(prefix="bpdkv-router-metrics-") if workers > 1 else None
+    if metrics_dir is not None:
+        env[MULTIPROC_DIR_ENV] = metrics_dir
+    else:
+        env.pop(MULTIPROC_DIR_ENV, None)
     argv = [sys.executable, "-m", "bpdkv.router.server", log_level]
     children = [subprocess.Popen(argv, env=env) for _ in range(workers)]
     log.info("router supervisor: %d workers on %s:%d (pids %s)", workers, config.listen, config.port, [c.pid for c in children])
@@ -130,6 +140,7 @@ def supervise(config: RouterConfig, workers: int, log_level: str) -> int:
         while not stopping:
             ended = [c for c in children if c.poll() is not None]
             if ended:
+                _forget_worker_gauges(metrics_dir, ended)
                 code = ended[0].returncode or 1
                 log.error("router worker %d exited with %s; stopping the router", ended[0].pid, ended[0].returncode)
                 break
@@ -149,6 +160,8 @@ def supervise(config: RouterConfig, workers: int, log_level: str) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait(5)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
         if redis_proc is not None and redis_proc.poll() is None:
             redis_proc.terminate()
             try:
@@ -157,6 +170,17 @@ def supervise(config: RouterConfig, workers: int, log_level: str) -> int:
                 redis_proc.kill()
                 redis_proc.wait(5)
     return code
+
+
+def _forget_worker_gauges(metrics_dir: str | None, ended: list[subprocess.Popen[bytes]]) -> None:
+    """Drop the live gauges (in flight, outstanding, health) of exited workers, so scrapes during the
+    shutdown that follows count only workers still serving."""
+    if metrics_dir is None:
+        return
+    from prometheus_client.multiprocess import mark_process_dead
+
+    for child in ended:
+        mark_process_dead(child.pid, metrics_dir)
 
 
 def worker_main(argv: list[str]) -> None:

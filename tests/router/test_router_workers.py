@@ -4,6 +4,7 @@ real redis-server the supervisor starts itself."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 
 from bpdkv.render import render_topology, system_packages
 from bpdkv.router.config import load_config, local_redis_conf
@@ -131,14 +135,78 @@ def test_workers_share_sessions_through_their_redis(emulated: Any, tmp_path: Pat
         _stop(proc)
 
 
+def _worker_pids(proc: subprocess.Popen[bytes]) -> list[int]:
+    return [c for c in _children(proc.pid) if "bpdkv.router.server" in Path(f"/proc/{c}/cmdline").read_text()]
+
+
+def _metrics_dir(pid: int) -> Path:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    value = next(e for e in environ if e.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
+    return Path(value.split(b"=", 1)[1].decode())
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _requests_per_worker(metrics_dir: Path, tmp_path: Path) -> dict[int, float]:
+    """Each worker's own count of served chat requests, read from its files alone (one directory per worker)."""
+    counts: dict[int, float] = {}
+    for counter in metrics_dir.glob("counter_*.db"):
+        pid = int(counter.stem.split("_")[1])
+        alone = tmp_path / f"worker-{pid}"
+        alone.mkdir()
+        shutil.copy(counter, alone / counter.name)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, str(alone))
+        counts[pid] = registry.get_sample_value("bpdkv_router_requests_total", {"route": "/v1/chat/completions", "status": "200"}) or 0.0
+    return counts
+
+
+def test_metrics_of_all_workers_whichever_answers_the_scrape(emulated: Any, tmp_path: Path) -> None:
+    _, urls = emulated
+    proc, port, _ = _start_router(tmp_path, urls, workers=2)
+    try:
+        workers = _worker_pids(proc)
+        metrics_dir = _metrics_dir(workers[0])
+        assert len(workers) == 2 and _metrics_dir(workers[1]) == metrics_dir and metrics_dir.is_dir()
+        url = f"http://127.0.0.1:{port}"
+        served = 24
+        for i in range(served):  # a new connection each: the kernel spreads them over both workers
+            text, resp = chat(url, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {i}"}])
+            assert text, resp
+        per_worker = _requests_per_worker(metrics_dir, tmp_path)
+        assert sorted(per_worker) == sorted(workers) and all(n > 0 for n in per_worker.values()), per_worker
+        assert sum(per_worker.values()) == served
+        scrapes = 8  # new connections too: with both workers answering some (all on one: 2**-7)
+        for _ in range(scrapes):
+            resp = httpx.get(url + "/metrics", timeout=10)
+            assert resp.status_code == 200
+            samples = _samples(resp.text)
+            assert samples[("bpdkv_router_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == served
+            reuse = {k[1][0][1]: v for k, v in samples.items() if k[0] == "bpdkv_router_reuse_total"}
+            assert sum(reuse.values()) == served and reuse.get("miss", 0) == served, reuse  # new conversations each
+            assert samples[("bpdkv_router_ttft_seconds_count", ())] == served
+            assert samples[("bpdkv_router_upstream_seconds_count", (("role", "decode"),))] == served
+            assert samples[("bpdkv_router_in_flight", ())] == 0  # the scrape itself is not a completion request
+            assert samples[("bpdkv_router_backend_healthy", (("role", "decode"), ("upstream", "decode-0")))] == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(45) == 0
+        assert not metrics_dir.exists()  # the supervisor removed its run's directory
+    finally:
+        _stop(proc)
+
+
 def test_a_dead_worker_stops_the_router(emulated: Any, tmp_path: Path) -> None:
     _, urls = emulated
     proc, port, _ = _start_router(tmp_path, urls, workers=2)
     try:
-        workers = [c for c in _children(proc.pid) if "bpdkv.router.server" in Path(f"/proc/{c}/cmdline").read_text()]
+        workers = _worker_pids(proc)
         assert len(workers) == 2
+        metrics_dir = _metrics_dir(workers[0])
         os.kill(workers[0], signal.SIGKILL)
         assert proc.wait(45) != 0  # systemd restarts the whole router rather than it serving on fewer cores
+        assert not metrics_dir.exists()
     finally:
         _stop(proc)
 
