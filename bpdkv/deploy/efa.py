@@ -7,9 +7,12 @@ against log samples only: no EFA hardware was available to bpdkv's tests.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import uuid
 from dataclasses import dataclass
+from enum import Enum
 
 INSTANTIATED = re.compile(r"Backend (\w+) was instantiated")
 # A provider other than efa chosen, or an explicit fallback message, from NIXL's libfabric plugin or libfabric itself.
@@ -124,3 +127,140 @@ def telemetry_moved(before: str, after: str) -> str | None:
     if grown <= 0:
         return "NIXL moved no bytes during the probe pull (agent_tx/rx_bytes_total unchanged): KV transfer is not working"
     return None
+
+
+# ---- the probe pull: one real P→D turn after the gates, and NIXL's own transfer telemetry around it ----------------
+# vLLM's NixlConnector creates its NIXL agent with capture_telemetry=True and exports, per transfer it completed, NIXL's
+# own nixlXferTelemetry (totalBytes, transfer time) as these series on the puller's /metrics (D on a first turn). They
+# need no NIXL_TELEMETRY_ENABLE, no exporter port per agent and no shared-memory reader, so they are what apply reads.
+PROBE_SERIES = (
+    "vllm:nixl_bytes_transferred_sum",
+    "vllm:nixl_bytes_transferred_count",
+    "vllm:nixl_num_failed_transfers_total",
+    "vllm:prompt_tokens_by_source_total",
+)
+
+
+@dataclass(frozen=True)
+class TransferCounters:
+    """NIXL transfer counters of one vLLM instance (sums over engines and ranks)."""
+
+    exported: bool  # the NIXL series are on /metrics at all (a NixlConnector with telemetry is loaded)
+    bytes: float
+    transfers: float
+    failed: float
+    external_tokens: float  # prompt tokens whose KV came over KV transfer
+
+
+def parse_transfer_counters(metrics: str) -> TransferCounters:
+    from bpdkv.bench.runner import metric_value  # the one Prometheus-text reader
+
+    return TransferCounters(
+        exported=any(line.startswith("vllm:nixl_") for line in metrics.splitlines()),
+        bytes=metric_value(metrics, "vllm:nixl_bytes_transferred_sum"),
+        transfers=metric_value(metrics, "vllm:nixl_bytes_transferred_count"),
+        failed=metric_value(metrics, "vllm:nixl_num_failed_transfers_total"),
+        external_tokens=metric_value(metrics, "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
+    )
+
+
+class ProbeVerdict(Enum):
+    MOVED = "moved"
+    NOT_EXPORTED = "not exported"
+    FAILED_TRANSFERS = "failed transfers"
+    NOT_MOVED = "not moved"
+    WRONG_TRANSPORT = "wrong transport"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    verdict: ProbeVerdict
+    message: str  # one line; empty when MOVED
+    moved_bytes: float = 0.0
+
+
+def judge_probe(before: str, after: str, processes: str) -> ProbeResult:
+    """The decode instance's /metrics before and after one probe turn, and `process_command`'s output for it.
+
+    Bytes moved only count when they moved over EFA: the same process must have NIXL's LIBFABRIC plugin and the EFA
+    installer's libfabric mapped — a transfer that succeeded while UCX (TCP) did the work is the silent fallback."""
+    b, a = parse_transfer_counters(before), parse_transfer_counters(after)
+    if not a.exported:
+        return ProbeResult(ProbeVerdict.NOT_EXPORTED, "D's /metrics has no vllm:nixl_* series: its NixlConnector records no transfers")
+    if a.failed > b.failed:
+        return ProbeResult(ProbeVerdict.FAILED_TRANSFERS, f"NIXL reported {a.failed - b.failed:g} failed transfer(s) during the probe turn")
+    moved = a.bytes - b.bytes
+    if a.transfers <= b.transfers or moved <= 0:
+        return ProbeResult(
+            ProbeVerdict.NOT_MOVED,
+            f"the probe turn moved no KV (NIXL transfers {b.transfers:g}→{a.transfers:g}, bytes {b.bytes:g}→{a.bytes:g}): D recomputed the prompt",
+        )
+    transport = check_processes(processes)
+    if transport:
+        return ProbeResult(ProbeVerdict.WRONG_TRANSPORT, f"{moved:g} bytes moved, but not over EFA: {transport}", moved)
+    return ProbeResult(ProbeVerdict.MOVED, "", moved)
+
+
+def probe_length(threshold: int, max_model_len: int) -> int:
+    """Words in the probe prompt: above kv_recompute_threshold tokens (or D recomputes instead of pulling) with any
+    tokenizer, and small enough that even one that spends ~8 tokens per word stays inside the context."""
+    length = max(threshold * 2, 64)
+    return max(1, min(length, max_model_len // 10)) if max_model_len else length
+
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven old sailors count their silver coins".split()
+
+
+def probe_prompt(length: int) -> str:
+    """Plain words (about one token each in any tokenizer, unlike token ids, which must fit the vocabulary), behind a
+    random nonce so that neither P nor D has any of it cached from an earlier probe: D must pull all of it."""
+    return f"bpdkv probe {uuid.uuid4().hex}: " + " ".join(WORDS[i % len(WORDS)] for i in range(length))
+
+
+def probe_command(python: str, prefill_url: str, decode_url: str, prompt_tokens: int, timeout: float) -> str:
+    """Shell text run on P's node with the node's venv (bpdkv is installed there): one P→D turn via the one turn
+    implementation, D's NIXL series scraped around it; prints one JSON line (see `probe_main`)."""
+    args = [python, "-m", "bpdkv.deploy.efa", prefill_url, decode_url, str(prompt_tokens), f"{timeout:g}"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def parse_probe_output(stdout: str) -> tuple[str, str, str | None]:
+    """(D's series before, after, the turn's error) from `probe_command`'s last line."""
+    try:
+        data = json.loads(stdout.strip().splitlines()[-1])
+        return str(data["before"]), str(data["after"]), data.get("error")
+    except (ValueError, IndexError, KeyError, TypeError):
+        return "", "", f"the probe printed no result: {stdout.strip()[-200:] or 'nothing'}"
+
+
+def probe_main(argv: list[str]) -> int:
+    """On the node: scrape D, run one P→D turn with a long token-id prompt, scrape D again; print one JSON line."""
+    import urllib.request
+
+    from bpdkv.router.turn import TurnClient, TurnError
+
+    prefill, decode, tokens, timeout = argv[0], argv[1], int(argv[2]), float(argv[3])
+
+    def series(url: str) -> str:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+            text = resp.read().decode(errors="replace")
+        return "\n".join(line for line in text.splitlines() if line.startswith(PROBE_SERIES) or line.startswith("vllm:nixl_"))
+
+    out: dict[str, object] = {"before": "", "after": "", "error": None}
+    try:
+        out["before"] = series(decode)
+        with urllib.request.urlopen(prefill.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+            model = json.loads(resp.read())["data"][0]["id"]
+        body = {"model": model, "prompt": probe_prompt(tokens), "max_tokens": 1, "temperature": 0}
+        TurnClient(prefill, decode, timeout).turn("/v1/completions", body, None)
+        out["after"] = series(decode)
+    except (TurnError, OSError, ValueError, KeyError, IndexError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(probe_main(sys.argv[1:]))

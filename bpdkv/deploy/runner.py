@@ -39,6 +39,7 @@ TMP_SUFFIX = ".bpdkv-new"
 KEEP_BACKUPS = 3
 INSTALL_TIMEOUT = 3600.0  # seconds for one node's pip install: vLLM + torch from a wheelhouse take minutes
 DRAIN_TIMEOUT = 120.0
+PROBE_TIMEOUT = 120.0  # seconds for each request of the EFA probe turn (P, D, /metrics)
 T = TypeVar("T")
 
 
@@ -554,6 +555,7 @@ class Runner:
                         logs = self.last_log_lines(hp, _unit(_))
                         tail = " | ".join(line for line in logs.splitlines()[-5:] if line.strip())
                         self.fail(hp, failure + (f"; last log lines: {tail}" if tail else ""))
+        self.probe_pulls(live)
         for_each_host([h for h in live if self.alive(h.host)], self.guarded(self.finish), parallel)
 
     def _guarded_unit(self, pair: tuple[HostPlan, list[ops.Operation]]) -> str | None:
@@ -578,6 +580,57 @@ class Runner:
             out.message = message if hp is failed else f"generation rolled back because {message}"
             out.message += " (P/D generation: every member back on the previous generation)"
         self.rollback(members, message)
+
+
+    def probe_pulls(self, live: list[HostPlan]) -> None:
+        """EFA fleets: after every gate, one real P→D turn per decode instance restarted on an EFA node (or, if only P
+        restarted, per such P), run on P's node; NIXL's transfer counters on D must move, over LIBFABRIC
+        (bpdkv/deploy/efa.py). A failure rolls back that host (its P/D generation) with the reason."""
+        gated = {op.instance for hp in live for op in hp.operations if isinstance(op, ops.HealthGate) and op.efa_check}
+        alive = {hp.host: hp for hp in live if self.alive(hp.host)}
+        placed = {i.name: (n, i) for n, i in self.topology.instances()}
+        pairs: list[tuple[str, str]] = []  # (P, D) instance names
+        prefills = [i.name for _, i in self.topology.instances("prefill")]
+        decodes = [i.name for _, i in self.topology.instances("decode")]
+        for name in gated:
+            if placed[name][0].name not in alive:
+                continue
+            if name in decodes and prefills:
+                pairs.append((prefills[0], name))
+            elif name in prefills and decodes and not any(d in gated for d in decodes):
+                pairs.append((name, decodes[0]))
+        threshold = self.topology.kv_transfer.kv_recompute_threshold
+        for p_name, d_name in sorted(set(pairs)):
+            (p_node, p_inst), (d_node, d_inst) = placed[p_name], placed[d_name]
+            blamed = alive.get(d_node.name) if d_name in gated else alive.get(p_node.name)
+            if blamed is None or p_node.name not in self.conns or d_node.name not in self.conns:
+                continue
+            failure = self.probe_pull(p_node.name, f"http://127.0.0.1:{p_inst.port}", d_node.name, d_name, d_inst.port, threshold)
+            if failure is None:
+                self.progress(blamed.host, f"EFA probe pull {p_name}→{d_name}: KV moved over LIBFABRIC")
+                continue
+            why = f"EFA probe pull {p_name}→{d_name} failed: {failure}"
+            if blamed.host in set(self.plan.group):
+                self.fail_generation([h for h in live if h.host in set(self.plan.group)], blamed, why)
+            else:
+                self.fail(blamed, why)
+
+    def probe_pull(self, p_host: str, p_url: str, d_host: str, d_name: str, d_port: int, threshold: int) -> str | None:
+        """One probe turn on P's node; D's counters and D's unit processes judged together. Why it failed, or None."""
+        d_node = next(n for n, i in self.topology.instances() if i.name == d_name)
+        d_unit = next((op.unit for hp in self.plan.hosts for op in hp.operations if isinstance(op, ops.HealthGate) and op.instance == d_name), None)
+        python = f"{self.topology.vllm.venv}/bin/python"
+        length = efa.probe_length(threshold, self.topology.model.max_model_len or 0)
+        command = efa.probe_command(python, p_url, f"http://{d_node.data_plane_address}:{d_port}", length, PROBE_TIMEOUT)
+        try:
+            before, after, error = efa.parse_probe_output(self.conns[p_host].run(command, PROBE_TIMEOUT * 3 + 30).stdout)
+            if error:
+                return f"the probe turn failed: {error}"
+            processes = self.conns[d_host].run(efa.process_command(d_unit)).stdout if d_unit else ""
+        except ConnectorError as exc:
+            return exc.reason
+        result = efa.judge_probe(before, after, processes)
+        return result.message or None
 
 
 def _unit(step: list[ops.Operation]) -> str:
