@@ -618,7 +618,7 @@ class Runner:
     def probe_pull(self, p_host: str, p_url: str, d_host: str, d_name: str, d_port: int, threshold: int) -> str | None:
         """One probe turn on P's node; D's counters and D's unit processes judged together. Why it failed, or None."""
         d_node = next(n for n, i in self.topology.instances() if i.name == d_name)
-        d_unit = next((op.unit for hp in self.plan.hosts for op in hp.operations if isinstance(op, ops.HealthGate) and op.instance == d_name), None)
+        d_unit = next(a.unit for a in self.artifacts if a.instance == d_name and a.unit)  # also when D did not restart
         python = f"{self.topology.vllm.venv}/bin/python"
         length = efa.probe_length(threshold, self.topology.model.max_model_len or 0)
         command = efa.probe_command(python, p_url, f"http://{d_node.data_plane_address}:{d_port}", length, PROBE_TIMEOUT)
@@ -626,7 +626,7 @@ class Runner:
             before, after, error = efa.parse_probe_output(self.conns[p_host].run(command, PROBE_TIMEOUT * 3 + 30).stdout)
             if error:
                 return f"the probe turn failed: {error}"
-            processes = self.conns[d_host].run(efa.process_command(d_unit)).stdout if d_unit else ""
+            processes = self.conns[d_host].run(efa.process_command(d_unit)).stdout
         except ConnectorError as exc:
             return exc.reason
         result = efa.judge_probe(before, after, processes)

@@ -88,11 +88,13 @@ def test_probe_prompt_exceeds_threshold_and_fits_the_context() -> None:
 
 
 # ---- the runner drives it after the gates ------------------------------------------------------------------------
+@dataclasses.dataclass
 class EfaNode(RecordingConnector):
     """A node whose unit logs say LIBFABRIC, whose processes map `processes`, and whose probe prints `probe`."""
 
     processes: str = EFA_PROCESSES
     probe: str = MOVED
+    calls_seen: list[str] = dataclasses.field(default_factory=list)  # process-map commands
 
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
         if "-m bpdkv.deploy.efa" in command:
@@ -101,11 +103,12 @@ class EfaNode(RecordingConnector):
         if command.startswith("journalctl"):
             return CommandResult(0, "nixl: Backend LIBFABRIC was instantiated\n", "")
         if "Max locked memory" in command:
+            self.calls_seen.append(command)
             return CommandResult(0, self.processes, "")
         return super().run(command, timeout)
 
 
-def _apply(tmp_path: Path, processes: str, probe: str) -> tuple[Any, Lab]:
+def _apply(tmp_path: Path, processes: str, probe: str, efa_instances: tuple[str, ...] = ("prefill-0", "decode-0")) -> tuple[Any, Lab]:
     lab = Lab()
 
     def connect(node: Any) -> EfaNode:
@@ -119,7 +122,7 @@ def _apply(tmp_path: Path, processes: str, probe: str) -> tuple[Any, Lab]:
     # The CPU test topology has no EFA; mark its P and D gates as an EFA fleet's planner does.
     for hp in plan.hosts:
         hp.operations[:] = [
-            dataclasses.replace(op, efa_check=True) if isinstance(op, ops.HealthGate) and op.instance != "router-0" else op
+            dataclasses.replace(op, efa_check=True) if isinstance(op, ops.HealthGate) and op.instance in efa_instances else op
             for op in hp.operations
         ]
     report = apply_plan(fleet, plan, ApplyOptions(parallel=2, owner="unit pid 1"))
@@ -158,3 +161,11 @@ def test_apply_gate_stops_a_ucx_fleet_before_the_probe(tmp_path: Path) -> None:
     assert report.exit_code != 0
     assert any("EFA check failed" in line and "libplugin_UCX.so" in line for line in report.failed_lines())
     assert not [c for c in lab.conns["host1"].calls if "-m bpdkv.deploy.efa" in c[1]]
+
+
+def test_only_p_restarted_probes_with_the_running_d_and_blames_p(tmp_path: Path) -> None:
+    report, lab = _apply(tmp_path, EFA_PROCESSES, NOT_MOVED, efa_instances=("prefill-0",))
+    assert [c for _, c in lab.conns["host1"].calls if "-m bpdkv.deploy.efa" in c]
+    assert any("Max locked memory" in c and "bpdkv-decode-0" in c for c in lab.conns["host2"].calls_seen)
+    assert report.outcomes["host1"].status is HostStatus.ROLLED_BACK
+    assert "EFA probe pull prefill-0→decode-0 failed" in report.outcomes["host1"].message
