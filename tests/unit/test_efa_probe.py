@@ -38,6 +38,15 @@ def test_real_capture_parses_to_one_transfer() -> None:
     assert a.external_tokens > 16  # D took the prompt's KV from P, above the test servers' kv_recompute_threshold
 
 
+def test_default_probe_length_moves_real_kv() -> None:
+    """The probe as apply sizes it for threshold 16 / max_model_len 1024 (64 words): 314 tokens pulled, one transfer."""
+    before, after, error = efa.parse_probe_output((DATA / "efa/probe-default-length-ucx.real.txt").read_text())
+    assert error is None
+    a = efa.parse_transfer_counters(after)
+    assert (a.transfers, a.bytes, a.external_tokens) == (1, 655360, 314)
+    assert efa.judge_probe(before, after, EFA_PROCESSES).verdict is efa.ProbeVerdict.MOVED
+
+
 def test_moved_over_efa_passes() -> None:
     before, after, _ = efa.parse_probe_output(MOVED)
     result = efa.judge_probe(before, after, EFA_PROCESSES)
