@@ -113,22 +113,6 @@ def check_processes(stdout: str) -> str | None:
     return None
 
 
-# NIXL telemetry (docs/telemetry.md: NIXL_TELEMETRY_ENABLE=y with the prometheus exporter): per-agent byte counters.
-TELEMETRY_COUNTERS = ("agent_tx_bytes_total", "agent_rx_bytes_total")
-
-
-def telemetry_moved(before: str, after: str) -> str | None:
-    """None when NIXL's transfer byte counters grew between two scrapes around a probe pull; else why not."""
-    from bpdkv.bench.runner import metric_value  # the one Prometheus-text reader
-
-    if not any(name in after for name in TELEMETRY_COUNTERS):
-        return "NIXL telemetry exports no agent_*_bytes_total counters (NIXL_TELEMETRY_ENABLE=y and the prometheus exporter needed)"
-    grown = sum(metric_value(after, n) for n in TELEMETRY_COUNTERS) - sum(metric_value(before, n) for n in TELEMETRY_COUNTERS)
-    if grown <= 0:
-        return "NIXL moved no bytes during the probe pull (agent_tx/rx_bytes_total unchanged): KV transfer is not working"
-    return None
-
-
 # ---- the probe pull: one real P→D turn after the gates, and NIXL's own transfer telemetry around it ----------------
 # vLLM's NixlConnector creates its NIXL agent with capture_telemetry=True and exports, per transfer it completed, NIXL's
 # own nixlXferTelemetry (totalBytes, transfer time) as these series on the puller's /metrics (D on a first turn). They
