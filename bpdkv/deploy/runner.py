@@ -581,7 +581,6 @@ class Runner:
             out.message += " (P/D generation: every member back on the previous generation)"
         self.rollback(members, message)
 
-
     def probe_pulls(self, live: list[HostPlan]) -> None:
         """EFA fleets: after every gate, one real P→D turn per decode instance restarted on an EFA node (or, if only P
         restarted, per such P), run on P's node; NIXL's transfer counters on D must move, over LIBFABRIC
