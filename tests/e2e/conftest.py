@@ -16,25 +16,14 @@ import httpx
 import pytest
 
 from bpdkv.lab.processes import stop_group
+from bpdkv.testing.record_vllm import SERVER_ENV
 
 VLLM_PYTHON = Path(os.environ.get("BPDKV_VLLM_PYTHON", "/opt/bpdkv-ci/vllm-venv/bin/python"))
 MODEL_DIR = Path(os.environ.get("BPDKV_TINY_MODEL", "/var/cache/bpdkv/tiny-cpu"))
 START_TIMEOUT = 240.0
 MAX_LIFETIME = 1800  # seconds; every server is wrapped in `timeout` so none can outlive a broken run
-# Idle P/D engines poll NIXL in a loop; one OpenMP thread each keeps a 2-core machine responsive.
-BASE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
-    "OMP_WAIT_POLICY": "PASSIVE",
-    "UCX_TLS": "tcp",
-    "UCX_NET_DEVICES": "lo",
-    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-    # vLLM-CPU forces the multiprocess executor, whose worker spins on sched_yield while the engine steps; a D that
-    # holds blocks for P steps every millisecond, so that worker burnt a core and starved the NIXL handshake.
-    # Without V1 multiprocessing the model runs inside the engine-core process and an idle server sleeps.
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
+# The server environment of the recorder: one OpenMP thread, UCX over TCP on loopback, no V1 multiprocessing (why: there).
+BASE_ENV = SERVER_ENV
 
 
 def _free_port() -> int:
