@@ -38,6 +38,8 @@ class Artifact:
     instance: str | None = None
     unit: str | None = None  # set on the unit file itself
     secret: bool = False  # content is redacted in diffs
+    # The non-root service user that must read this secret file: apply installs it root:<that user's group> 0640.
+    reader: str | None = None
 
 
 def _env() -> jinja2.Environment:
@@ -228,7 +230,8 @@ def render_topology(topology: Topology) -> list[Artifact]:
                     out.append(Artifact(node.name, config["local_redis_conf"], 0o644, conf, inst.name))
                 for path, mode, content in router_secret_files(topology.router, inst.name, CONFIG_DIR)[1]:
                     if not any(a.host == node.name and a.path == path for a in out):  # the admin key: once per node
-                        out.append(Artifact(node.name, path, mode, content, inst.name, secret=True))
+                        mode, reader = secret_file_access(topology.vllm.user) if mode == 0o600 else (mode, None)
+                        out.append(Artifact(node.name, path, mode, content, inst.name, secret=True, reader=reader))
                 argv = [f"{topology.vllm.venv}/bin/bpdkv", "router", "--config", config_path]
                 env_items = sorted(dict(inst.env).items())
                 script = render("launch.sh.j2", node=node, instance=inst, argv_lines=argv_lines(argv), env_file=env_file)
@@ -236,9 +239,9 @@ def render_topology(topology: Topology) -> list[Artifact]:
                 argv = vllm_argv(topology, inst, node)
                 env_items = vllm_env(topology, inst, node)
                 script = render("launch.sh.j2", node=node, instance=inst, argv_lines=argv_lines(argv), env_file=env_file)
-            out.append(
-                Artifact(node.name, env_file, 0o600, render("instance.env.j2", instance=inst, env=env_items), inst.name, secret=True)
-            )
+            env_mode, env_reader = secret_file_access(topology.vllm.user)  # the launch script sources it as the unit's user
+            env_text = render("instance.env.j2", instance=inst, env=env_items)
+            out.append(Artifact(node.name, env_file, env_mode, env_text, inst.name, secret=True, reader=env_reader))
             out.append(Artifact(node.name, launch, 0o755, script, inst.name))
             unit = render(
                 "instance.service.j2",
@@ -252,6 +255,13 @@ def render_topology(topology: Topology) -> list[Artifact]:
             )
             out.append(Artifact(node.name, f"{UNIT_DIR}/{inst.unit}", 0o644, unit, inst.name, unit=inst.unit))
     return out
+
+
+def secret_file_access(user: str | None) -> tuple[int, str | None]:
+    """Mode and reader of a secret file read by a service running as `user`: root-only 0600 when the service runs as
+    root; else 0640 with the group of that user (files, not systemd credentials, so the router's certificate and
+    key can be renewed in place and re-read without a restart)."""
+    return (0o600, None) if user in (None, "root") else (0o640, user)
 
 
 def write_artifacts(artifacts: list[Artifact], out_dir: Path) -> list[Path]:

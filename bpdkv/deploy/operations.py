@@ -53,6 +53,7 @@ class UploadFile:
     sha256: str
     secret: bool = False
     instance: str | None = None
+    reader: str | None = None  # non-root service user that reads the file: owner root, group that user's group
     op = "upload"
     undo = Undo.RESTORE_FILE
 
@@ -216,7 +217,8 @@ def from_json(data: dict[str, Any]) -> Operation:
 def describe(op: Operation) -> str:
     """One line per operation, for plans and fixtures ("facts in → operations out")."""
     if isinstance(op, UploadFile):
-        return f"upload {op.path} mode {op.mode:o} sha256 {op.sha256[:12]}" + (" (secret)" if op.secret else "")
+        group = f" group of {op.reader}" if op.reader else ""
+        return f"upload {op.path} mode {op.mode:o}{group} sha256 {op.sha256[:12]}" + (" (secret)" if op.secret else "")
     if isinstance(op, DeleteFile):
         return f"delete {op.path}"
     if isinstance(op, InstallSystemPackages):

@@ -660,6 +660,12 @@ def commit_script(backup: str, changes: Sequence[ops.UploadFile | ops.DeleteFile
         q = shlex.quote(c.path)
         if isinstance(c, ops.UploadFile):
             tmp = shlex.quote(c.path + TMP_SUFFIX)
+            if c.reader:  # still 0600 (staged under umask 077) while its group changes
+                user = shlex.quote(c.reader)
+                lines.append(
+                    f'g=$(id -gn {user} 2>/dev/null) || fail "{c.path}: user {c.reader} (vllm.user) does not exist on this host"; '
+                    f'err=$(chown root:"$g" {tmp} 2>&1) || fail "{c.path}: $err"'
+                )
             lines.append(f'err=$( {{ chmod {c.mode:o} {tmp} && mv -f {tmp} {q}; }} 2>&1) || fail "{c.path}: $err"')
         else:
             lines.append(f'err=$(rm -f {q} 2>&1) || fail "{c.path}: $err"')

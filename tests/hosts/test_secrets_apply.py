@@ -156,3 +156,68 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
     assert not any("tenant" in label for _, found in holders.values() for label in found)
     keys = (hosts.hosts[2].fs / "etc/bpdkv/router-0.api-keys").read_text()
     assert keys.count("team-a sha256:") == 1 and stat.S_IMODE(os.stat(hosts.hosts[2].fs / "etc/bpdkv/router-0.api-keys").st_mode) == 0o600
+
+
+def test_a_non_root_service_reads_its_secrets_and_no_other_user_can(hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """vllm.user: nobody. Every unit runs as nobody and starts only if it can read its secret files (P/D source their
+    env file, the router loads its TLS key); the files are root:nogroup 0640, so the user `daemon` reads none of them."""
+    token = _value("hf_")
+    monkeypatch.setenv("BPDKV_SCAN_HF", token)
+    operator_secrets = tmp_path / "operator"
+    operator_secrets.mkdir(mode=0o700)
+    (operator_secrets / "tenant.key").write_text(_value("sk-tenant-") + "\n")
+    (operator_secrets / "admin.key").write_text(_value("admin-") + "\n")
+    ca = CertificateAuthority(operator_secrets)
+    ca.issue(operator_secrets / "router.crt", operator_secrets / "router.key", serial=7, ip="10.213.0.13")
+    doc = topology_doc(hosts)
+    doc["vllm"]["user"] = "nobody"
+    # fake_vllm answers /version with FAKE_VERSION: from a secret, it proves the service read its env file.
+    doc["vllm"]["env"]["FAKE_VERSION"] = {"secret": {"env": "BPDKV_SCAN_HF"}}
+    doc["router"] = {
+        "api_keys": {"team-a": {"secret": {"file": "operator/tenant.key"}}},
+        "admin_key": {"secret": {"file": "operator/admin.key"}},
+        "tls": {"cert": {"secret": {"file": "operator/router.crt"}}, "key": {"secret": {"file": "operator/router.key"}}},
+    }
+    topo = write_topology(tmp_path / "t.yaml", doc)
+    applied = bpdkv("apply", str(topo), "-y")
+    assert applied.returncode == 0, applied.stdout[-3000:] + applied.stderr[-3000:]
+
+    for host in hosts.hosts:
+        users = hosts.exec(host, "ps -eo user:16,args | grep /opt/bpdkv/venv/bin/ | grep -v grep").stdout.split()
+        assert users[:1] == ["nobody"], (host.name, users)
+    with urllib.request.urlopen("http://10.213.0.11:8100/version", timeout=5) as resp:
+        assert resp.read().decode() == token  # P read the env file as nobody
+    with urllib.request.urlopen(
+        "https://10.213.0.13:8000/health", timeout=5, context=ssl.create_default_context(cafile=str(ca.path))
+    ) as resp:
+        assert resp.status == 200  # the router (as nobody) loaded its TLS key
+
+    readable = {
+        (0, "/etc/bpdkv/prefill-0.env"),
+        (1, "/etc/bpdkv/decode-0.env"),
+        (2, "/etc/bpdkv/router-0.env"),
+        (2, "/etc/bpdkv/router-0.api-keys"),
+        (2, "/etc/bpdkv/router-admin.key"),
+        (2, "/etc/bpdkv/router-0.tls.key"),
+    }
+    for index, path in sorted(readable):
+        host = hosts.hosts[index]
+        info = os.stat(host.fs / path.lstrip("/"))
+        assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, 65534, 0o640), (host.name, path)
+        as_nobody = hosts.exec(host, f"setpriv --reuid=nobody --regid=nogroup --clear-groups cat {path}")
+        assert as_nobody.returncode == 0, as_nobody.stderr
+        as_daemon = hosts.exec(host, f"setpriv --reuid=daemon --regid=daemon --clear-groups cat {path}")
+        assert as_daemon.returncode != 0 and "Permission denied" in as_daemon.stderr, (path, as_daemon.stdout)
+    assert (hosts.hosts[2].fs / "etc/bpdkv/router-0.tls.crt").stat().st_mode & 0o777 == 0o644  # public
+
+    # A service user the host does not have: apply fails on that host in one line and leaves its files as they were.
+    doc["vllm"]["user"] = "bpdkv-no-such-user"
+    doc["vllm"]["env"]["PLAIN_SETTING"] = "2"  # changes the env files, so they are written again
+    before = {name: path.read_bytes() for name, path in _node_files(hosts)}
+    failed = bpdkv("apply", str(write_topology(tmp_path / "t.yaml", doc)), "-y")
+    assert failed.returncode == 1, failed.stdout[-2000:]
+    assert "user bpdkv-no-such-user (vllm.user) does not exist on this host" in failed.stdout + failed.stderr
+    assert "Traceback" not in failed.stderr
+    after = {name: path.read_bytes() for name, path in _node_files(hosts)}
+    changed = {name for name in before.keys() | after.keys() if before.get(name) != after.get(name)}
+    assert not any(name.startswith("host1:/etc/") for name in changed), changed

@@ -105,6 +105,35 @@ def test_verify_catches_a_bad_directive(tmp_path: Path) -> None:
         _verify_host(tmp_path, broken)
 
 
+def test_units_give_their_service_a_private_tmp(tmp_path: Path) -> None:
+    """vLLM's IPC sockets and the router's metrics files go to /tmp: systemd's own offline security review of each
+    rendered unit must see PrivateTmp= in effect (and flag a unit without it)."""
+    _, artifacts = _case_artifacts("example:local-cpu.yaml")
+    units = [a for a in artifacts if a.unit]
+    assert {a.instance for a in units} == {"prefill-0", "decode-0", "router-0"}
+
+    def private_tmp_line(art: Artifact, content: str) -> str:
+        root = tmp_path / art.host
+        for other in (a for a in artifacts if a.host == art.host):
+            target = root / other.path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content if other is art else other.content)
+            target.chmod(other.mode)
+        proc = subprocess.run(
+            ["systemd-analyze", "security", "--offline=true", f"--root={root}", art.path.rsplit("/", 1)[1]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines = [line.strip() for line in proc.stdout.splitlines() if "PrivateTmp=" in line]
+        assert len(lines) == 1, proc.stdout + proc.stderr
+        return lines[0]
+
+    for art in units:
+        assert private_tmp_line(art, art.content).startswith("✓"), art.path
+    assert private_tmp_line(units[0], units[0].content.replace("PrivateTmp=yes\n", "")).startswith("✗")
+
+
 def test_router_config_matches_schema() -> None:
     schema = json.loads((ROOT / "schemas" / "router.schema.json").read_text())
     for example in EXAMPLES:

@@ -93,6 +93,36 @@ def test_resolved_render_puts_values_only_in_0600_secret_files(tmp_path: Path) -
     assert config.state == "rediss://redis.internal:6380/0"
 
 
+@pytest.mark.parametrize("user", ["vllm", "root", None])
+def test_secret_files_readable_by_the_service_user_only(tmp_path: Path, user: str | None) -> None:
+    """A unit running as vllm.user reads its env file and the router's key files: group-readable by that user's group
+    (0640, apply chowns root:<group>); as root (or no user) they stay 0600. Public files keep their own modes."""
+    document = doc(tmp_path)
+    if user:
+        document["vllm"]["user"] = user
+    topology = secrets.resolve_topology(validate_document(parse_yaml(yaml.safe_dump(document), "t.yaml")).topology, Resolver(environ=ENV))
+    artifacts = render_topology(topology)
+    secret_files = {a.path: (a.mode, a.reader) for a in artifacts if a.secret}
+    shared = 0o640 if user == "vllm" else 0o600
+    reader = "vllm" if user == "vllm" else None
+    assert secret_files == {
+        path: (shared, reader)
+        for path in (
+            "/etc/bpdkv/prefill-0.env",
+            "/etc/bpdkv/decode-0.env",
+            "/etc/bpdkv/router-0.env",
+            "/etc/bpdkv/router-0.api-keys",
+            "/etc/bpdkv/router-admin.key",
+            "/etc/bpdkv/router-0.redis-password",
+            "/etc/bpdkv/router-0.tls.key",
+        )
+    }
+    assert all(a.reader is None for a in artifacts if not a.secret)
+    assert {a.mode for a in artifacts if a.path.endswith(".service")} == {0o644}
+    units = [a.content for a in artifacts if a.path.endswith(".service")]
+    assert all(("User=vllm" in u) == (user == "vllm") for u in units)
+
+
 def test_unresolvable_references_are_all_reported(tmp_path: Path) -> None:
     with pytest.raises(SecretError) as info:
         secrets.resolve_topology(_topology(tmp_path), Resolver(environ={}))
