@@ -438,7 +438,8 @@ def host_operations(
     for f in plan.files:
         if f.action in ("create", "update"):
             art = by_path[f.path]
-            out.append(ops.UploadFile(f.path, art.mode, hashlib.sha256(art.content.encode()).hexdigest(), art.secret, art.instance, art.reader))
+            digest = hashlib.sha256(art.content.encode()).hexdigest()
+            out.append(ops.UploadFile(f.path, art.mode, digest, art.secret, art.instance, art.reader))
         elif f.action == "delete":
             out.append(ops.DeleteFile(f.path))
     if plan.daemon_reload:
