@@ -12,11 +12,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-import aiohttp
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -40,6 +39,7 @@ from bpdkv.router.turn import (
     PdTurn,
     usable_d_params,
 )
+from bpdkv.router.upstream_http import UpstreamClient
 from bpdkv.router.upstreams import Pool, Upstream, check_all, health_loop
 
 log = logging.getLogger("bpdkv.router")
@@ -59,6 +59,43 @@ def _release_key(decode: str, request_id: Any) -> str:
 
 class ClientGone(Exception):
     pass
+
+
+class DisconnectWatch:
+    """One watcher per request, from the end of its body to the end of its response: a client that goes away
+    cancels the request's task — the upstream exchange in progress is dropped with it (cancelling D's request)."""
+
+    __slots__ = ("receive", "account", "task", "watcher", "gone")
+
+    def __init__(self, receive: Receive, account: RequestAccount) -> None:
+        self.receive, self.account = receive, account
+        self.task: asyncio.Task[Any] | None = None
+        self.watcher: asyncio.Task[None] | None = None
+        self.gone = False
+
+    def start(self) -> None:
+        self.task = asyncio.current_task()
+        self.watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                # After the response is counted, a disconnect is the connection's normal end, not this request's.
+                if not self.account.done and self.task is not None:
+                    self.gone = True
+                    self.task.cancel()
+                return
+
+    def client_gone(self) -> bool:
+        """Whether the watcher cancelled the request; the cancellation is then ours, not the server's."""
+        if self.gone and self.task is not None and hasattr(self.task, "uncancel"):
+            self.task.uncancel()
+        return self.gone
+
+    def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
 
 
 class BadRequest(Exception):
@@ -193,7 +230,7 @@ class Router:
         h = config.health
         self.prefill = Pool("prefill", [Upstream(u.name, u.url, "prefill") for u in config.prefill], h.failures_to_eject, h.backoff_max)
         self.decode = Pool("decode", [Upstream(u.name, u.url, "decode") for u in config.decode], h.failures_to_eject, h.backoff_max)
-        self.client: aiohttp.ClientSession | None = None
+        self.client: UpstreamClient | None = None
         self.turn = PdTurn(self.prefill, self.decode, self.metrics, config.timeouts, self._session, clock)
         self._stop = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
@@ -214,7 +251,7 @@ class Router:
             lifespan=self._lifespan,
         )
 
-    def _session(self) -> aiohttp.ClientSession:
+    def _session(self) -> UpstreamClient:
         assert self.client is not None, "router not started"
         return self.client
 
@@ -231,24 +268,37 @@ class Router:
         request = Request(scope, receive)
         account = RequestAccount(self.metrics, route)
         start = time.perf_counter()
+        watch = DisconnectWatch(receive, account)
         response: Response | SseRelay
         try:
-            response = await self._flow(request, route, start, account)
-        except ClientGone:
-            self.metrics.disconnects.inc()
-            account.finish(499)
-            return
-        except Exception:  # noqa: BLE001 - a bug must cost one request a 500, never the process
-            log.exception("router error on %s", route)
-            response = _error(500, "internal router error")
-        if isinstance(response, SseRelay):
             try:
-                await response.send_to(send, receive)
-            finally:
-                await response.close(False)  # no-op when send_to closed it; else the response never started
-            return
-        account.finish(response.status_code)
-        await response(scope, receive, send)
+                response = await self._flow(request, route, start, account, watch)
+            except ClientGone:
+                self.metrics.disconnects.inc()
+                account.finish(499)
+                return
+            except asyncio.CancelledError:
+                if not watch.client_gone():
+                    raise
+                self.metrics.disconnects.inc()
+                account.finish(499)
+                return
+            except Exception:  # noqa: BLE001 - a bug must cost one request a 500, never the process
+                log.exception("router error on %s", route)
+                response = _error(500, "internal router error")
+            if isinstance(response, SseRelay):
+                try:
+                    await response.send_to(send)
+                except asyncio.CancelledError:
+                    if not watch.client_gone():
+                        raise
+                finally:
+                    await response.close(False)  # no-op when send_to closed it; else the response never started
+                return
+            account.finish(response.status_code)
+            await response(scope, receive, send)
+        finally:
+            watch.stop()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     @asynccontextmanager
@@ -263,15 +313,9 @@ class Router:
         # Long-lived objects (config, pools, metrics) leave the GC's young generations: fewer, shorter pauses (p99).
         gc.collect()
         gc.freeze()
-        t = self.config.timeouts
-        # aiohttp rather than httpx: httpcore's pool scans every connection per request (is_socket_readable), which
-        # profiled at 84% of router CPU at 64 concurrent streams; aiohttp's connector keeps per-host idle lists.
-        self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.decode_idle),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
+        # Not httpx (its pool scanned every connection per request: 84% of router CPU at 64 streams) nor aiohttp
+        # (a task wake-up per streamed token): see upstream_http.
+        self.client = UpstreamClient(self.config.timeouts.connect)
         self._stop.clear()
         if self.config.health.interval > 0:
             self._health_task = asyncio.create_task(
@@ -546,34 +590,9 @@ class Router:
             )
 
     # ---- the P/D flow ----------------------------------------------------------------------------------------
-    async def _race_disconnect(self, request: Request, work: Awaitable[T]) -> T:
-        """Run work; if the client disconnects first, cancel it (and with it the upstream request)."""
-        task = asyncio.ensure_future(work)
-
-        async def gone() -> None:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    return
-
-        watcher = asyncio.ensure_future(gone())
-        try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            watcher.cancel()
-            raise
-        if task in done:
-            watcher.cancel()
-            return task.result()
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001
-            pass
-        raise ClientGone()
-
-    async def _flow(self, request: Request, route: str, start: float, account: RequestAccount) -> Response | SseRelay:
+    async def _flow(
+        self, request: Request, route: str, start: float, account: RequestAccount, watch: DisconnectWatch
+    ) -> Response | SseRelay:
         tenant = self._tenant(request)
         if tenant is None:
             self.metrics.rejected.labels("auth").inc()
@@ -586,6 +605,7 @@ class Router:
         except BadRequest as bad:
             self.metrics.rejected.labels(bad.reason).inc()
             return _error(bad.status, bad.message, "invalid_request_error")
+        watch.start()  # the body is in: from here on, a disconnect cancels this request (and its upstream exchange)
         body, field_id = sanitize(raw_body)
         header_id = request.headers.get(contracts.SESSION_HEADER) or None
         mode = self.config.session_identity
@@ -597,17 +617,14 @@ class Router:
         self.metrics.reuse.labels(outcome.value).inc()
         headers = self._upstream_headers(request)
         salt = uuid.uuid4().hex if request.headers.get(contracts.P_CACHE_HEADER, "").lower() == contracts.SWITCH_OFF else None
-        prefilled = await self._race_disconnect(
-            request,
-            self.turn.prefill(
-                route,
-                body,
-                entry.params if entry else None,
-                entry.decode if entry else None,
-                ident.affinity if ident else None,
-                headers,
-                salt,
-            ),
+        prefilled = await self.turn.prefill(
+            route,
+            body,
+            entry.params if entry else None,
+            entry.decode if entry else None,
+            ident.affinity if ident else None,
+            headers,
+            salt,
         )
         if isinstance(prefilled, NoUpstream):
             return _error(502, prefilled.message, "upstream_error")
@@ -615,7 +632,7 @@ class Router:
             return _passthrough(prefilled.answer)
         stream = bool(body.get("stream"))
         hold = self.config.reuse and ident is not None  # else D need not keep this turn's blocks
-        decoded = await self._race_disconnect(request, self.turn.decode(route, body, prefilled.params, headers, stream, hold))
+        decoded = await self.turn.decode(route, body, prefilled.params, headers, stream, hold)
         if isinstance(decoded, NoUpstream):
             return _error(502, decoded.message, "upstream_error")
         if isinstance(decoded, Passthrough):
@@ -629,7 +646,7 @@ class Router:
     ) -> Response:
         answer = decoded.answer
         try:
-            data = answer.json()
+            data = json.loads(answer.content)
         except ValueError:
             return Response(answer.content, status_code=answer.status, media_type=answer.content_type)
         if not isinstance(data, dict):
@@ -662,13 +679,4 @@ class Router:
                 self.turn.observe_decode(member, outcome.params)
                 await self._note_released(member, outcome.params)
 
-        return SseRelay(
-            decoded.chunks,
-            decoded.first,
-            decoded.response.headers.get("content-type", "text/event-stream"),
-            decoded.close,
-            on_close,
-            lambda: self.metrics.ttft.observe(time.perf_counter() - start),
-            keep,
-            UPSTREAM_ERRORS,
-        )
+        return SseRelay(decoded, on_close, lambda: self.metrics.ttft.observe(time.perf_counter() - start), keep)

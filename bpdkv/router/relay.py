@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from starlette.types import Receive, Send
+from starlette.types import Send
 
 from bpdkv import contracts
 
@@ -24,6 +24,7 @@ EVENT_END = b"\n\n"
 PARAMS_MARK = contracts.KV_TRANSFER_PARAMS.encode()
 _TEXT = re.compile(rb'"(?:content|text)": ?"([^"\\]*(?:\\.[^"\\]*)*)"')
 _FINISH = re.compile(rb'"finish_reason": ?"([^"\\]+)"')
+ASGI_QUEUE_HIGH = 256 * 1024  # bytes of D's events waiting for ASGI send before reading D pauses
 
 
 def sse_events(raw: bytes | Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
@@ -179,36 +180,66 @@ class RelayOutcome:
     completed: bool  # D's stream ended normally and the client got all of it
     params: dict[str, Any] | None
     kept: bytes  # D's events (params removed), when asked to keep them
-    error: str | None = None  # mid-stream upstream failure kind
+    error: str | None = None  # mid-stream upstream failure kind, or "client <kind>"
+
+
+class UpstreamBody(Protocol):
+    """D's open stream as the relay drives it (bpdkv.router.turn.DecodeStream)."""
+
+    first: bytes
+    content_type: str
+
+    def attach(self, sink: Callable[[bytes], None], on_end: Callable[[BaseException | None], None]) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def close(self, reusable: bool) -> None: ...
+
+
+def _direct_cycle(send: Send) -> Any:
+    """uvicorn's httptools request cycle behind `send`, when the router is served by it (the router's own server and
+    the test fleet): its transport takes D's bytes directly. None under any other ASGI server."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl":
+        return None
+    if not all(hasattr(cycle, a) for a in ("transport", "flow", "chunked_encoding", "disconnected", "response_started")):
+        return None
+    return cycle
 
 
 class SseRelay:
-    """One streamed response: D's open response → ASGI send. `close()` runs exactly once, whatever happened — client
-    gone before the first byte, mid-stream, or a failing send — and hands the outcome to `on_close`."""
+    """One streamed response: D's stream → the client. `close()` runs exactly once, whatever happened — client gone
+    before the first byte, mid-stream, or a failing write — and hands the outcome to `on_close`.
+
+    Under uvicorn's httptools server, D's bytes are cut at event boundaries and written to the client's transport
+    (chunked framing done here) from D's data_received callback: no task switch per token. When the client's
+    transport is over its high-water mark, reading from D pauses until it drained. Under any other ASGI server the
+    same events go through ASGI `send` from this coroutine."""
 
     def __init__(
         self,
-        chunks: AsyncIterator[bytes],
-        first: bytes,
-        content_type: str,
-        close_upstream: Callable[[bool], None],
+        upstream: UpstreamBody,
         on_close: Callable[[RelayOutcome], Awaitable[None]],
         on_first_byte: Callable[[], None],
         keep: bool,
-        upstream_errors: tuple[type[BaseException], ...],
     ) -> None:
-        self.chunks = chunks
-        self.first = first
-        self.content_type = content_type.encode("latin-1")
-        self.close_upstream = close_upstream  # (reusable) -> release (True) or drop D's connection (False)
+        self.upstream = upstream
+        self.content_type = upstream.content_type.encode("latin-1")
         self.on_close = on_close
         self.on_first_byte = on_first_byte
         self.keep = keep
-        self.upstream_errors = upstream_errors
         self.status_code = 200
         self._closed = False
         self._params: dict[str, Any] | None = None
         self._kept: list[bytes] = []
+        self._pending = b""
+        self._first_sent = False
+        self._out: list[bytes] = []  # blocks for the ASGI path
+        self._wake: asyncio.Future[None] | None = None
+        self._end: asyncio.Future[BaseException | None] | None = None
+        self._client_error: str | None = None
 
     def _edit(self, block: bytes) -> bytes:
         if PARAMS_MARK in block:
@@ -219,18 +250,27 @@ class SseRelay:
             self._kept.append(block)
         return block
 
-    async def send_to(self, send: Send, receive: Receive) -> None:
-        relay = asyncio.current_task()
+    def _whole_events(self, data: bytes) -> bytes:
+        """The complete events so far, edited; an incomplete tail waits for the next bytes."""
+        if self._pending:
+            data = self._pending + data
+            self._pending = b""
+        if not data.endswith(EVENT_END):
+            cut = data.rfind(EVENT_END)
+            if cut < 0:
+                self._pending = data
+                return b""
+            self._pending = data[cut + 2 :]
+            data = data[: cut + 2]
+        return self._edit(data)
 
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if relay is not None:
-                        relay.cancel()
-                    return
+    def _ended(self, error: BaseException | None) -> None:
+        if self._end is not None and not self._end.done():
+            self._end.set_result(error)
 
-        watcher = asyncio.ensure_future(watch())
+    async def send_to(self, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        self._end = loop.create_future()
         completed = False
         error: str | None = None
         try:
@@ -241,48 +281,111 @@ class SseRelay:
                     "headers": [(b"content-type", self.content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
                 }
             )
-            pending = self.first
-            first_sent = False
-            chunk: bytes | None = b""
-            while chunk is not None:
-                cut = pending.rfind(EVENT_END)
-                if cut >= 0:
-                    block = self._edit(pending[: cut + 2])
-                    pending = pending[cut + 2 :]
-                    if block:
-                        await send({"type": "http.response.body", "body": block, "more_body": True})
-                        if not first_sent:
-                            first_sent = True
-                            self.on_first_byte()
-                try:
-                    chunk = await self.chunks.__anext__()
-                except StopAsyncIteration:
-                    chunk = None
-                else:
-                    pending += chunk
-            if pending:
-                await send({"type": "http.response.body", "body": self._edit(pending), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            completed = True
-        except asyncio.CancelledError:
-            pass  # the client went away; close() drops D's connection, which cancels D's request
-        except self.upstream_errors as exc:
-            # Mid-stream failure: the client already has bytes, so no retry; end the stream with an error event.
-            error = type(exc).__name__
-            err = {"error": {"message": f"decode failed mid-stream: {error}", "type": "upstream_error"}}
-            try:
+            cycle = _direct_cycle(send)
+            if cycle is not None:
+                upstream_error = await self._relay_direct(cycle)
+            else:
+                upstream_error = await self._relay_asgi(send)
+            if self._client_error is not None:
+                error = self._client_error
+            elif upstream_error is not None:
+                # Mid-stream failure: the client already has bytes, so no retry; end the stream with an error event.
+                error = type(upstream_error).__name__
+                err = {"error": {"message": f"decode failed mid-stream: {error}", "type": "upstream_error"}}
                 await send({"type": "http.response.body", "body": b"data: " + json.dumps(err).encode() + EVENT_END, "more_body": False})
-            except Exception:  # noqa: BLE001 - the client may be gone too
-                pass
+            else:
+                tail = self._edit(self._pending) if self._pending else b""
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                completed = True
         except OSError as exc:  # the client's socket failed under send
-            error = error or f"client {type(exc).__name__}"
+            error = f"client {type(exc).__name__}"
         finally:
-            watcher.cancel()
+            # Cancelled (the client went away): close() drops D's connection, which cancels D's request.
             await self.close(completed, error)
+
+    async def _relay_direct(self, cycle: Any) -> BaseException | None:
+        transport, flow = cycle.transport, cycle.flow
+        framed = bool(cycle.chunked_encoding)
+        resuming: list[asyncio.Task[None]] = []
+
+        async def resume_when_drained() -> None:
+            try:
+                await flow.drain()
+            finally:
+                resuming.clear()
+            self.upstream.resume()
+
+        def write(block: bytes) -> None:
+            if cycle.disconnected or transport.is_closing():
+                self._client_error = "client ConnectionLost"
+                self.upstream.pause()
+                self._ended(None)
+                return
+            transport.write(b"%x\r\n%b\r\n" % (len(block), block) if framed else block)
+            if not self._first_sent:
+                self._first_sent = True
+                self.on_first_byte()
+            if flow.write_paused and not resuming:
+                self.upstream.pause()
+                resuming.append(asyncio.ensure_future(resume_when_drained()))
+
+        def sink(data: bytes) -> None:
+            block = self._whole_events(data)
+            if block:
+                write(block)
+
+        assert self._end is not None
+        first = self._whole_events(self.upstream.first)
+        if first:
+            write(first)
+        if self._client_error is None:
+            self.upstream.attach(sink, self._ended)
+        try:
+            return await self._end
+        finally:
+            for task in resuming:
+                task.cancel()
+
+    async def _relay_asgi(self, send: Send) -> BaseException | None:
+        loop = asyncio.get_running_loop()
+        queued = [0]
+
+        def sink(data: bytes) -> None:
+            block = self._whole_events(data)
+            if block:
+                self._out.append(block)
+                queued[0] += len(block)
+                if queued[0] > ASGI_QUEUE_HIGH:
+                    self.upstream.pause()
+                if self._wake is not None and not self._wake.done():
+                    self._wake.set_result(None)
+
+        def ended(error: BaseException | None) -> None:
+            self._ended(error)
+            if self._wake is not None and not self._wake.done():
+                self._wake.set_result(None)
+
+        assert self._end is not None
+        sink(self.upstream.first)
+        self.upstream.attach(sink, ended)
+        while True:
+            if self._out:
+                block, self._out = b"".join(self._out), []
+                queued[0] = 0
+                self.upstream.resume()
+                await send({"type": "http.response.body", "body": block, "more_body": True})
+                if not self._first_sent:
+                    self._first_sent = True
+                    self.on_first_byte()
+                continue
+            if self._end.done():
+                return self._end.result()
+            self._wake = loop.create_future()
+            await self._wake
 
     async def close(self, completed: bool, error: str | None = None) -> None:
         if self._closed:
             return
         self._closed = True
-        self.close_upstream(completed)
+        self.upstream.close(completed)
         await self.on_close(RelayOutcome(completed, self._params, b"".join(self._kept), error))

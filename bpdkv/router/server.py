@@ -73,6 +73,10 @@ def serve_one(config: RouterConfig, log_level: str, reuse_port: bool = False) ->
         access_log=False,  # request lines can carry session ids; metrics cover traffic
         timeout_graceful_shutdown=30,
         backlog=4096,
+        # Named, not "auto": the relay writes D's bytes to httptools-protocol transports (relay._direct_cycle), and
+        # uvloop runs the loop; a missing one is an install error, not a silent slow path.
+        loop="uvloop",
+        http="httptools",
     )
     if config.tls_cert_file and config.tls_key_file:
         uvicorn_tls(uv_config, ReloadingTLS(config.tls_cert_file, config.tls_key_file))

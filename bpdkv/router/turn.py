@@ -10,7 +10,6 @@ calibrate, the GPU and e2e tests — through `TurnClient` (standard library HTTP
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import time
@@ -20,18 +19,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from bpdkv import contracts
 from bpdkv.router.config import Timeouts
 from bpdkv.router.metrics import RouterMetrics
 from bpdkv.router.relay import Reply, sse_events
+from bpdkv.router.upstream_http import Answer, BodySink, EndSink, UpstreamClient, UpstreamFailure, UpstreamStream
 from bpdkv.router.upstreams import Lease, Pool, Upstream
 
 # Turns whose D keeps its blocks for the next turn: a tool-calling turn is as reusable as a plain one.
 REUSABLE_FINISH = ("stop", "length", "tool_calls")
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-FIRST_BYTE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, StopAsyncIteration)
+UPSTREAM_ERRORS = (UpstreamFailure,)
 
 
 # ---- the protocol steps --------------------------------------------------------------------------------------------
@@ -75,18 +72,6 @@ def usable_d_params(params: Any) -> bool:
 
 # ---- the router's turn -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Answer:
-    """A whole upstream response."""
-
-    status: int
-    content_type: str
-    content: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.content)
-
-
-@dataclass(frozen=True)
 class Passthrough:
     """An error the client caused (vLLM's 4xx): sent to the client as vLLM wrote it."""
 
@@ -113,22 +98,29 @@ class DecodedWhole:
     member: Upstream
 
 
-@dataclass
 class DecodeStream:
-    """D's stream, held open until its first body bytes (until then a failing D can be swapped for another)."""
+    """D's stream, held open from its first body bytes (until then a failing D can be swapped for another) until
+    the relay closes it: the lease on D ends with it."""
 
-    member: Upstream
-    lease: Lease
-    response: aiohttp.ClientResponse
-    chunks: Any  # async iterator of bytes
-    first: bytes
+    def __init__(self, member: Upstream, lease: Lease, stream: UpstreamStream) -> None:
+        self.member = member
+        self.lease = lease
+        self.stream = stream
+        self.first = stream.first
+        self.content_type = stream.content_type
+
+    def attach(self, sink: BodySink, on_end: EndSink) -> None:
+        self.stream.attach(sink, on_end)
+
+    def pause(self) -> None:
+        self.stream.pause()
+
+    def resume(self) -> None:
+        self.stream.resume()
 
     def close(self, reusable: bool) -> None:
         self.lease.release()
-        if reusable:
-            self.response.release()  # keep the connection for the next request
-        else:
-            self.response.close()  # client gone or D failed: dropping the connection cancels D's request
+        self.stream.close(reusable)  # not reusable (client gone, D failed): dropping the connection cancels D's request
 
 
 class PdTurn:
@@ -143,14 +135,14 @@ class PdTurn:
         decode: Pool,
         metrics: RouterMetrics,
         timeouts: Timeouts,
-        session: Callable[[], aiohttp.ClientSession],
+        client: Callable[[], UpstreamClient],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.metrics = metrics
         self.timeouts = timeouts
-        self.session = session
+        self.client = client
         self.clock = clock
 
     def attempts(self, pool: Pool, affinity: bytes | None) -> Iterator[Upstream]:
@@ -171,11 +163,9 @@ class PdTurn:
         return f"{pool.role} {member.name}: {kind}"
 
     async def call(self, url: str, payload: Any, headers: dict[str, str], read_timeout: float, method: str = "POST") -> Answer:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect, sock_read=read_timeout)
         data = None if payload is None else json.dumps(payload, separators=(",", ":")).encode()
         hdrs = dict(headers, **{"content-type": "application/json"}) if data is not None else headers
-        async with self.session().request(method, url, data=data, headers=hdrs, timeout=timeout) as resp:
-            return Answer(resp.status, resp.headers.get("content-type", "application/json"), await resp.read())
+        return await self.client().fetch(method, url, data, hdrs, read_timeout)
 
     async def _prefill_once(
         self, member: Upstream, route: str, body: dict[str, Any], d_params: dict[str, Any] | None, headers: dict[str, str], salt: str | None
@@ -219,7 +209,7 @@ class PdTurn:
                 return Passthrough(got)
             self.prefill_pool.success(member)
             try:
-                params = params_of(got.json())
+                params = params_of(json.loads(got.content))
             except ValueError:
                 params = None
             outcome = params.get(contracts.PULL_OUTCOME) if params else None
@@ -249,40 +239,34 @@ class PdTurn:
         for member in self.attempts(self.decode_pool, None):
             t0 = time.perf_counter()
             lease = member.lease()
-            resp: aiohttp.ClientResponse | None = None
             try:
-                # A whole answer arrives at once: its read bound is the first-byte bound.
-                read = t.decode_idle if stream else max(t.decode_first_byte, t.decode_idle)
-                timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=read)
-                resp = await asyncio.wait_for(
-                    self.session().post(member.url + route, data=payload, headers=hdrs, timeout=timeout), t.decode_first_byte
-                )
-                if resp.status != 200 or not stream:
-                    answer = Answer(resp.status, resp.headers.get("content-type", "application/json"), await resp.read())
-                    resp.release()
-                    lease.release()
-                    if answer.status >= 500:
-                        last = self.failed(self.decode_pool, member, f"http_{answer.status}")
-                        continue
-                    self.decode_pool.success(member)
-                    self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
-                    return DecodedWhole(answer, member) if answer.status == 200 else Passthrough(answer)
-                chunks = resp.content.iter_any()
-                first = await asyncio.wait_for(chunks.__anext__(), t.decode_first_byte)
-            except FIRST_BYTE_ERRORS as exc:
-                if resp is not None:
-                    resp.close()
+                if stream:
+                    got: Answer | UpstreamStream = await self.client().open_stream(
+                        member.url + route, payload, hdrs, t.decode_first_byte, t.decode_idle
+                    )
+                else:
+                    # A whole answer arrives at once: its read bound is the first-byte bound.
+                    got = await self.client().fetch(
+                        "POST", member.url + route, payload, hdrs, t.decode_first_byte, max(t.decode_first_byte, t.decode_idle)
+                    )
+            except UpstreamFailure as exc:
                 lease.release()
                 last = self.failed(self.decode_pool, member, type(exc).__name__)
                 continue
             except BaseException:  # cancelled (client gone): nothing may stay open or counted
-                if resp is not None:
-                    resp.close()
                 lease.release()
                 raise
+            if isinstance(got, Answer):
+                lease.release()
+                if got.status >= 500:
+                    last = self.failed(self.decode_pool, member, f"http_{got.status}")
+                    continue
+                self.decode_pool.success(member)
+                self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
+                return DecodedWhole(got, member) if got.status == 200 else Passthrough(got)
             self.decode_pool.success(member)
             self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
-            return DecodeStream(member, lease, resp, chunks, first)
+            return DecodeStream(member, lease, got)
         return NoUpstream(f"no decode upstream succeeded ({last})")
 
 

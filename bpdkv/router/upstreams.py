@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-import aiohttp
+from bpdkv.router.upstream_http import UpstreamClient, UpstreamFailure
 
 log = logging.getLogger("bpdkv.router")
 
@@ -162,7 +162,7 @@ class Pool:
             log.warning("%s %s ejected for %.0fs: %s", self.role, member.name, backoff, error)
 
 
-async def health_loop(pools: list[Pool], client: aiohttp.ClientSession, interval: float, stop: asyncio.Event) -> None:
+async def health_loop(pools: list[Pool], client: UpstreamClient, interval: float, stop: asyncio.Event) -> None:
     """Active checks: GET /health on every member each interval, bounded by the stop event."""
     while not stop.is_set():
         await check_all(pools, client, timeout=min(interval, 5.0))
@@ -172,14 +172,13 @@ async def health_loop(pools: list[Pool], client: aiohttp.ClientSession, interval
             pass
 
 
-async def check_all(pools: list[Pool], client: aiohttp.ClientSession, timeout: float) -> None:
+async def check_all(pools: list[Pool], client: UpstreamClient, timeout: float) -> None:
     async def check(pool: Pool, member: Upstream) -> None:
         try:
-            async with client.get(member.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                await resp.read()
-                ok = resp.status == 200
-                err = f"HTTP {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            answer = await client.fetch("GET", member.url + "/health", None, {}, timeout)
+            ok = answer.status == 200
+            err = f"HTTP {answer.status}"
+        except UpstreamFailure as exc:
             ok, err = False, type(exc).__name__
         if ok and not member.healthy:
             log.info("%s %s healthy again", pool.role, member.name)
