@@ -41,6 +41,43 @@ def history_bucket(tokens: int, width: int = 2048) -> str:
     return f"{low}-{low + width}"
 
 
+def stages(counters: dict[str, float]) -> dict[str, float | None]:
+    """One server's mean time per request and per pull over the run, from vLLM's histogram sums (ms; None: not seen)."""
+
+    def mean_ms(total: str, count: str) -> float | None:
+        return 1000 * counters[total] / counters[count] if counters.get(count) else None
+
+    return {
+        "requests": counters.get("queue_count", 0.0),
+        "queue_ms": mean_ms("queue_seconds_sum", "queue_count"),
+        "prefill_ms": mean_ms("prefill_seconds_sum", "prefill_count"),
+        "server_ttft_ms": mean_ms("server_ttft_seconds_sum", "server_ttft_count"),
+        "itl_ms": mean_ms("itl_seconds_sum", "itl_count"),
+        "pulls": counters.get("nixl_xfer_count", 0.0),
+        "pull_ms": mean_ms("nixl_xfer_seconds_sum", "nixl_xfer_count"),
+        "pull_post_ms": mean_ms("nixl_post_seconds_sum", "nixl_xfer_count"),
+        "pull_mb": counters["nixl_bytes_sum"] / counters["nixl_xfer_count"] / 1e6 if counters.get("nixl_xfer_count") else None,
+        "pull_descriptors": counters["nixl_descriptors_sum"] / counters["nixl_xfer_count"] if counters.get("nixl_xfer_count") else None,
+    }
+
+
+def waits(timeline: list[dict[str, float]]) -> dict[str, Any]:
+    """D's waiting requests by reason over the run: capacity (no blocks/slot yet) vs deferred (KV still arriving)."""
+    if not timeline or "waiting_capacity" not in timeline[0]:
+        return {"by_reason": False}
+    capacity = [p for p in timeline if p.get("waiting_capacity", 0.0) > 0]
+    return {
+        "by_reason": True,
+        "capacity_max": max(p.get("waiting_capacity", 0.0) for p in timeline),
+        "deferred_max": max(p.get("waiting_deferred", 0.0) for p in timeline),
+        "capacity_samples": len(capacity),
+        # A capacity wait while held blocks take part of D's cache and the cache is nearly full: what the hold budget's
+        # pressure release must prevent.
+        "capacity_with_held_near_full": sum(1 for p in capacity if p["held_blocks"] > 0 and p["kv_usage"] >= 0.9),
+        "capacity_points": [{k: p[k] for k in ("t", "kv_usage", "held_share", "waiting_capacity")} for p in capacity[:20]],
+    }
+
+
 def summarize(result: RunResult) -> dict[str, Any]:
     ok = [s for s in result.samples if not s.error and s.ttft is not None]
     by_turn: dict[int, list[float]] = {}
@@ -66,6 +103,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "ttft_over_time": over_time(ok, max(result.wall_s / 20, 10.0)) if result.timeline else [],
         "d_timeline": result.timeline,
         "d_waiting_max": max((p["waiting"] for p in result.timeline), default=None),
+        "d_waits": waits(result.timeline),
+        "stages": {url: stages(c) for url, c in result.servers.items()},
         "samples": [asdict(s) for s in result.samples],
     }
 
@@ -97,9 +136,21 @@ def table(summary: dict[str, Any]) -> str:
             f"D: KV usage max {max(p['kv_usage'] for p in tl):.0%} (held max {max(p['held_share'] for p in tl):.0%}), "
             f"waiting max {summary['d_waiting_max']:g}, samples {len(tl)}"
         )
+        w = summary.get("d_waits") or {}
+        if w.get("by_reason"):
+            lines.append(
+                f"D waiting by reason: capacity max {w['capacity_max']:g} ({w['capacity_samples']} samples, "
+                f"{w['capacity_with_held_near_full']} with held blocks and KV >= 90%), deferred (KV arriving) max {w['deferred_max']:g}"
+            )
+        else:
+            lines.append("D waiting by reason: not exported by this server (waiting counts both reasons)")
     for url, counters in summary["servers"].items():
         shown = ", ".join(f"{k}={v:g}" for k, v in counters.items() if v)
         lines.append(f"server {url}: {shown or 'no counter moved'}")
+        st = (summary.get("stages") or {}).get(url) or {}
+        if st.get("requests"):
+            shown = ", ".join(f"{k} {v:.1f}" for k, v in st.items() if v is not None and k != "requests")
+            lines.append(f"  per request ({st['requests']:g}): {shown}")
     return "\n".join(lines)
 
 

@@ -25,15 +25,31 @@ SERVER_COUNTERS = {
     "bpdkv_mismatch_cuts": ("vllm:bpdkv_mismatch_cuts_total", {}),
     "bpdkv_expiring_refused": ("vllm:bpdkv_expiring_refused_total", {}),
     **{f"hold_released_{r}": (f"vllm:bpdkv_hold_released_{r}_total", {}) for r in ("pulled", "budget", "pressure", "ttl", "not_offered")},
+    # Where the time goes per request (vLLM's own histograms): queued → scheduled, scheduled → first token, decode steps.
+    "nixl_post_seconds_sum": ("vllm:nixl_post_time_seconds_sum", {}),
+    "nixl_descriptors_sum": ("vllm:nixl_num_descriptors_sum", {}),
+    "queue_seconds_sum": ("vllm:request_queue_time_seconds_sum", {}),
+    "queue_count": ("vllm:request_queue_time_seconds_count", {}),
+    "prefill_seconds_sum": ("vllm:request_prefill_time_seconds_sum", {}),
+    "prefill_count": ("vllm:request_prefill_time_seconds_count", {}),
+    "server_ttft_seconds_sum": ("vllm:time_to_first_token_seconds_sum", {}),
+    "server_ttft_count": ("vllm:time_to_first_token_seconds_count", {}),
+    "itl_seconds_sum": ("vllm:inter_token_latency_seconds_sum", {}),
+    "itl_count": ("vllm:inter_token_latency_seconds_count", {}),
 }
 # Gauges sampled over time on D (sustained mode): KV usage split into held (finished, waiting for a pull) and live.
-SERVER_GAUGES = {
-    "kv_usage": "vllm:kv_cache_usage_perc",
-    "held_blocks": "vllm:bpdkv_held_blocks",
-    "kv_blocks_total": "vllm:bpdkv_kv_blocks_total",
-    "waiting": "vllm:num_requests_waiting",
-    "running": "vllm:num_requests_running",
+SERVER_GAUGES: dict[str, tuple[str, dict[str, str]]] = {
+    "kv_usage": ("vllm:kv_cache_usage_perc", {}),
+    "held_blocks": ("vllm:bpdkv_held_blocks", {}),
+    "kv_blocks_total": ("vllm:bpdkv_kv_blocks_total", {}),
+    "waiting": ("vllm:num_requests_waiting", {}),
+    "running": ("vllm:num_requests_running", {}),
 }
+# Why D's requests wait (vLLM >= 0.24): "capacity" = not yet given blocks/a batch slot (what held blocks could cause),
+# "deferred" = set aside, e.g. WAITING_FOR_REMOTE_KVS (a D request whose KV is still arriving from P). Only reported
+# when the server exports the series: a missing series is not a zero.
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+WAITING_REASONS = {"waiting_capacity": "capacity", "waiting_deferred": "deferred"}
 
 
 @dataclass
@@ -101,7 +117,9 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
 
 def parse_metrics(text: str) -> dict[str, float]:
     out = {key: metric_value(text, name, labels) for key, (name, labels) in SERVER_COUNTERS.items()}
-    out.update({key: metric_value(text, name) for key, name in SERVER_GAUGES.items()})
+    out.update({key: metric_value(text, name, labels) for key, (name, labels) in SERVER_GAUGES.items()})
+    if any(line.startswith(WAITING_BY_REASON + "{") for line in text.splitlines()):
+        out.update({key: metric_value(text, WAITING_BY_REASON, {"reason": r}) for key, r in WAITING_REASONS.items()})
     return out
 
 
@@ -137,7 +155,7 @@ def d_gauges(scraped: dict[str, dict[str, float]], decode: list[str]) -> dict[st
     held = sum(scraped.get(u, {}).get("held_blocks", 0.0) for u in decode)
     usage = sum(scraped.get(u, {}).get("kv_usage", 0.0) for u in decode) / max(len(decode), 1)
     held_share = held / total if total else 0.0
-    return {
+    out = {
         "kv_usage": usage,
         "held_share": held_share,
         "live_share": max(usage - held_share, 0.0),
@@ -145,6 +163,10 @@ def d_gauges(scraped: dict[str, dict[str, float]], decode: list[str]) -> dict[st
         "waiting": sum(scraped.get(u, {}).get("waiting", 0.0) for u in decode),
         "running": sum(scraped.get(u, {}).get("running", 0.0) for u in decode),
     }
+    for key in WAITING_REASONS:
+        if decode and all(key in scraped.get(u, {}) for u in decode):
+            out[key] = sum(scraped[u][key] for u in decode)
+    return out
 
 
 async def one_request(
@@ -220,6 +242,8 @@ async def conversation_turns(
             return False
         conv.record_answer(text, ids)
         pause = think() if think else conv.spec.think_time
+        if deadline is not None:
+            pause = min(pause, max(deadline - time.perf_counter(), 0.0))
         if pause and turn + 1 < turns.stop:
             await asyncio.sleep(pause)
     return True

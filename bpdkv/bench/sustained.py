@@ -78,7 +78,8 @@ async def run_sustained(
                         fresh_checked.set()
                     await fresh_checked.wait()
                 if ok:
-                    await asyncio.sleep(sustained.think.sample(rng))
+                    # Think time, but never past the deadline: a run ends when it says, not up to a capped tool call later.
+                    await asyncio.sleep(min(sustained.think.sample(rng), max(deadline - time.perf_counter(), 0.0)))
                     ok = await conversation_turns(
                         session,
                         url,

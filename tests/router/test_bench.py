@@ -7,6 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from bpdkv.bench import report, runner
 from bpdkv.bench.workload import Conversation, WorkloadSpec
 from bpdkv.cli import main
 
@@ -68,3 +69,42 @@ def test_bench_runs_modes_and_reports(fleet_factory, tmp_path: Path) -> None:  #
     assert "reuse off/on (same run)" in result.output
     cmp = CliRunner().invoke(main, ["bench", "compare", str(out), str(out)])
     assert cmp.exit_code == 0 and json.loads(cmp.output)[0]["ttft_median_ratio"] == 1.0
+
+
+D_METRICS = """# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason.
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 1.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.95
+vllm:bpdkv_held_blocks{engine="0",model_name="m"} 50.0
+vllm:bpdkv_kv_blocks_total{engine="0",model_name="m"} 100.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.3
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 3.0
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="m"} 0.05
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 2.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 4e9
+vllm:nixl_num_descriptors_sum{engine="0",model_name="m"} 256.0
+"""
+
+
+def test_d_waiting_is_split_by_reason_only_when_exported() -> None:
+    d = "http://d"
+    with_reason = runner.d_gauges({d: runner.parse_metrics(D_METRICS)}, [d])
+    assert with_reason["waiting"] == 3 and with_reason["waiting_capacity"] == 1 and with_reason["waiting_deferred"] == 2
+    assert with_reason["held_share"] == 0.5 and abs(with_reason["live_share"] - 0.45) < 1e-9
+    # An older vLLM (or the emulator) without the series: no made-up zero, the report says the split is unknown.
+    plain = "\n".join(line for line in D_METRICS.splitlines() if "by_reason" not in line)
+    without = runner.d_gauges({d: runner.parse_metrics(plain)}, [d])
+    assert "waiting_capacity" not in without and without["waiting"] == 3
+    assert report.waits([{"t": 0.0, **without}]) == {"by_reason": False}
+    w = report.waits([{"t": 0.0, **with_reason}, {"t": 2.0, **with_reason, "waiting_capacity": 0.0}])
+    assert w["capacity_max"] == 1 and w["deferred_max"] == 2 and w["capacity_samples"] == 1
+    assert w["capacity_with_held_near_full"] == 1  # held blocks present and KV at 95 %: a live request waited on them
+
+
+def test_stages_are_means_per_request_and_per_pull() -> None:
+    counters = runner.parse_metrics(D_METRICS)
+    st = report.stages(counters)
+    assert st["queue_ms"] is not None and abs(st["queue_ms"] - 100.0) < 1e-9
+    assert st["pulls"] == 2 and abs((st["pull_ms"] or 0) - 25.0) < 1e-9 and st["pull_mb"] == 2000.0
+    assert st["pull_descriptors"] == 128 and st["prefill_ms"] is None  # no prefill histogram in the text: not a zero
