@@ -24,7 +24,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from bpdkv import contracts
-from bpdkv.router import security, sessions
+from bpdkv.router import jsonbytes, security, sessions
 from bpdkv.router.config import RouterConfig
 from bpdkv.router.metrics import RouterMetrics
 from bpdkv.router.relay import RelayOutcome, Reply, SseRelay
@@ -482,7 +482,7 @@ class Router:
             if not message.get("more_body", False):
                 break
         try:
-            body = json.loads(b"".join(parts))
+            body = jsonbytes.loads(b"".join(parts))
         except RecursionError:
             raise BadRequest(400, f"request body nests deeper than {self.config.max_json_depth} levels", "too_deep") from None
         except ValueError:
@@ -646,7 +646,7 @@ class Router:
     ) -> Response:
         answer = decoded.answer
         try:
-            data = json.loads(answer.content)
+            data = jsonbytes.loads(answer.content)
         except ValueError:
             return Response(answer.content, status_code=answer.status, media_type=answer.content_type)
         if not isinstance(data, dict):
@@ -655,7 +655,7 @@ class Router:
         data.pop(contracts.KV_TRANSFER_PARAMS, None)
         await self._after_decode(ident, body, reply, decoded.member)
         self.metrics.ttft.observe(time.perf_counter() - start)
-        return Response(json.dumps(data, ensure_ascii=False).encode(), status_code=200, media_type="application/json")
+        return Response(jsonbytes.dumps(data), status_code=200, media_type="application/json")
 
     def _relay(
         self, decoded: DecodeStream, body: dict[str, Any], ident: sessions.Identity | None, start: float, account: RequestAccount

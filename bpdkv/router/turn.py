@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bpdkv import contracts
+from bpdkv.router import jsonbytes
 from bpdkv.router.config import Timeouts
 from bpdkv.router.metrics import RouterMetrics
 from bpdkv.router.relay import Reply, sse_events
@@ -163,7 +164,7 @@ class PdTurn:
         return f"{pool.role} {member.name}: {kind}"
 
     async def call(self, url: str, payload: Any, headers: dict[str, str], read_timeout: float, method: str = "POST") -> Answer:
-        data = None if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+        data = None if payload is None else jsonbytes.dumps(payload)
         hdrs = dict(headers, **{"content-type": "application/json"}) if data is not None else headers
         return await self.client().fetch(method, url, data, hdrs, read_timeout)
 
@@ -209,7 +210,7 @@ class PdTurn:
                 return Passthrough(got)
             self.prefill_pool.success(member)
             try:
-                params = params_of(json.loads(got.content))
+                params = params_of(jsonbytes.loads(got.content))
             except ValueError:
                 params = None
             outcome = params.get(contracts.PULL_OUTCOME) if params else None
@@ -234,7 +235,7 @@ class PdTurn:
     ) -> DecodedWhole | DecodeStream | Passthrough | NoUpstream:
         t = self.timeouts
         last = "no decode upstream available"
-        payload = json.dumps(decode_body(body, p_params, hold), separators=(",", ":")).encode()
+        payload = jsonbytes.dumps(decode_body(body, p_params, hold))
         hdrs = dict(headers, **{"content-type": "application/json"})
         for member in self.attempts(self.decode_pool, None):
             t0 = time.perf_counter()
