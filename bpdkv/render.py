@@ -40,6 +40,7 @@ class Artifact:
     secret: bool = False  # content is redacted in diffs
     # The non-root service user that must read this secret file: apply installs it root:<that user's group> 0640.
     reader: str | None = None
+    reloaded: bool = False  # the running service re-reads this file when it changes: an update needs no restart
 
 
 def _env() -> jinja2.Environment:
@@ -228,10 +229,14 @@ def render_topology(topology: Topology) -> list[Artifact]:
                 if redis_port is not None:
                     conf = local_redis_conf(inst.name, redis_port, f"{STATE_DIR}/{inst.name}")
                     out.append(Artifact(node.name, config["local_redis_conf"], 0o644, conf, inst.name))
-                for path, mode, content in router_secret_files(topology.router, inst.name, CONFIG_DIR)[1]:
-                    if not any(a.host == node.name and a.path == path for a in out):  # the admin key: once per node
-                        mode, reader = secret_file_access(topology.vllm.user) if mode == 0o600 else (mode, None)
-                        out.append(Artifact(node.name, path, mode, content, inst.name, secret=True, reader=reader))
+                for file in router_secret_files(topology.router, inst.name, CONFIG_DIR)[1]:
+                    if not any(a.host == node.name and a.path == file.path for a in out):  # the admin key: once per node
+                        mode, reader = secret_file_access(topology.vllm.user) if file.mode == 0o600 else (file.mode, None)
+                        out.append(
+                            Artifact(
+                                node.name, file.path, mode, file.content, inst.name, secret=True, reader=reader, reloaded=file.reloaded
+                            )
+                        )
                 argv = [f"{topology.vllm.venv}/bin/bpdkv", "router", "--config", config_path]
                 env_items = sorted(dict(inst.env).items())
                 script = render("launch.sh.j2", node=node, instance=inst, argv_lines=argv_lines(argv), env_file=env_file)

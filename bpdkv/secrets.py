@@ -305,13 +305,13 @@ def carries_secret(*values: Any) -> bool:
 
 
 # ---- diffs of secret files ---------------------------------------------------------------------------------------------
-def _redact_line(line: str, secret_keys: set[str]) -> str:
+def _redact_line(line: str, secret_keys: set[str], env_file: bool) -> str:
     body = line.rstrip("\n")
     newline = line[len(body) :]
-    if not body.strip() or body.lstrip().startswith("#"):
+    if not body.strip() or (env_file and body.lstrip().startswith("#")):
         return line
     key, sep, value = body.partition("=")
-    if sep and re.fullmatch(r"\s*[A-Za-z_][A-Za-z0-9_]*", key):
+    if env_file and sep and re.fullmatch(r"\s*[A-Za-z_][A-Za-z0-9_]*", key):
         name = key.strip()
         plain = value.strip("'\"")
         if name in secret_keys or SECRET_NAME.search(name) or TOKEN_PREFIX.match(plain) or mask(value) != value:
@@ -330,12 +330,14 @@ def secret_keys(text: str) -> set[str]:
     return keys
 
 
-def secret_diff(old: str, new: str, fromfile: str, tofile: str) -> str:
+def secret_diff(old: str, new: str, fromfile: str, tofile: str, env_file: bool = False) -> str:
     """Unified diff of a secret file that shows which lines changed, never a value (either side's).
 
-    Lines are compared raw, then each line shown is redacted: KEY=value keeps KEY when the value is a resolved
-    secret, the name looks secret or the value looks like a token; any other non-comment line goes whole.
-    A rotated value therefore shows as a changed KEY=<redacted> line.
+    Lines are compared raw, then each line shown is redacted. In an environment file (`env_file`), KEY=value keeps
+    KEY when the value is a resolved secret, the name looks secret or the value looks like a token, and comments and
+    plain settings stay readable: a rotated value shows as a changed KEY=<redacted> line. Any other secret file (a
+    key, a password, a PEM block) shows no line at all: a base64 line ending in '=' or a password holding '=' would
+    otherwise pass for KEY=value.
     """
     keys = secret_keys(new) | secret_keys(old)
     out = []
@@ -343,7 +345,7 @@ def secret_diff(old: str, new: str, fromfile: str, tofile: str) -> str:
         if line.startswith(("---", "+++", "@@")):
             out.append(line)
         else:
-            out.append(line[0] + _redact_line(line[1:], keys))
+            out.append(line[0] + _redact_line(line[1:], keys, env_file))
     return "".join(out)
 
 
@@ -394,8 +396,16 @@ def plaintext_secret_findings(doc: Any, path: tuple[str | int, ...] = ()) -> Ite
 ADMIN_KEY_PATH = "/etc/bpdkv/router-admin.key"
 
 
-def router_secret_files(router: Any, instance: str, config_dir: str) -> tuple[dict[str, str], list[tuple[str, int, str]]]:
-    """Router config keys and the files (path, mode, content) that carry the router's secrets on its node.
+@dataclasses.dataclass(frozen=True)
+class NodeSecretFile:
+    path: str
+    mode: int
+    content: str
+    reloaded: bool = False  # the running router re-reads it when it changes (the TLS pair): an update needs no restart
+
+
+def router_secret_files(router: Any, instance: str, config_dir: str) -> tuple[dict[str, str], list[NodeSecretFile]]:
+    """Router config keys and the files that carry the router's secrets on its node.
 
     Inbound API keys are written as digests (`[tenant] sha256:<hex>`): the node never holds them in the clear.
     The admin key and the Redis password are written as they are (apply and redis-py need them). Unresolved
@@ -404,18 +414,19 @@ def router_secret_files(router: Any, instance: str, config_dir: str) -> tuple[di
     from bpdkv.router.security import hashed_key_line
 
     config: dict[str, str] = {}
-    files: list[tuple[str, int, str]] = []
+    files: list[NodeSecretFile] = []
     if router.api_keys:
         path = f"{config_dir}/{instance}.api-keys"
         lines = [f"{t} {k}" if isinstance(k, SecretRef) else hashed_key_line(t, k) for t, k in router.api_keys]
-        files.append((path, 0o600, "# Managed by bpdkv: tenant and SHA-256 digest of each inbound API key\n" + "\n".join(lines) + "\n"))
+        header = "# Managed by bpdkv: tenant and SHA-256 digest of each inbound API key\n"
+        files.append(NodeSecretFile(path, 0o600, header + "\n".join(lines) + "\n"))
         config["api_keys_file"] = path
     if router.admin_key:
-        files.append((ADMIN_KEY_PATH, 0o600, f"{router.admin_key}\n"))
+        files.append(NodeSecretFile(ADMIN_KEY_PATH, 0o600, f"{router.admin_key}\n"))
         config["admin_key_file"] = ADMIN_KEY_PATH
     if router.redis_password:
         path = f"{config_dir}/{instance}.redis-password"
-        files.append((path, 0o600, f"{router.redis_password}\n"))
+        files.append(NodeSecretFile(path, 0o600, f"{router.redis_password}\n"))
         config["state_password_file"] = path
     if router.redis_ca_file:
         config["state_ca_file"] = router.redis_ca_file
@@ -425,7 +436,7 @@ def router_secret_files(router: Any, instance: str, config_dir: str) -> tuple[di
             continue
         if isinstance(value, SecretRef | SecretValue):
             path = f"{config_dir}/{instance}.tls.{suffix}"
-            files.append((path, mode, value if value.endswith("\n") else value + "\n"))
+            files.append(NodeSecretFile(path, mode, value if value.endswith("\n") else value + "\n", reloaded=True))
             value = path
         config[f"{field_name}_file"] = value
     return config, files

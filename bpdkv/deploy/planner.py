@@ -206,7 +206,7 @@ def redact(text: str) -> str:
 
 def _diff(host: str, path: str, old: str | None, new: str | None, secret: bool) -> str:
     if secret:  # which lines changed (a rotation shows), never a value of either side
-        return secret_diff(old or "", new or "", f"{host}:{path} (on host)", f"{host}:{path} (rendered)")
+        return secret_diff(old or "", new or "", f"{host}:{path} (on host)", f"{host}:{path} (rendered)", path.endswith(".env"))
     a = redact(old or "") if secret else (old or "")
     b = redact(new or "") if secret else (new or "")
     lines = difflib.unified_diff(
@@ -286,7 +286,7 @@ def make_plan(
                 action = "none"
             diff = _diff(node.name, art.path, f.content(art.path), art.content, art.secret) if action == "update" else ""
             changes.append(FileChange(art.path, action, art.mode, art.instance, drift, diff))
-            if action != "none" and art.instance:
+            if action != "none" and art.instance and not art.reloaded:  # a reloaded file (TLS pair) needs no restart
                 changed_by_instance.setdefault(art.instance, []).append(_kind(art.path))
         rendered = {a.path for a in mine}
         for path in sorted(manifest_files):

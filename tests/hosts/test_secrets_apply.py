@@ -124,6 +124,20 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
     assert actions == {"prefill-0": "none", "decode-0": "none", "router-0": "restart"}
     run("apply tenant rotation", "apply", str(topo), "-y", expect=0)
 
+    # A renewed TLS pair: both files update (redacted) and the router is not restarted (it re-reads them on change).
+    ca.issue(operator_secrets / "router.crt", operator_secrets / "router.key", serial=43, ip="10.213.0.13")
+    values["tls key (renewed)"] = (operator_secrets / "router.key").read_text().splitlines()[1]
+    renewal = json.loads(run("plan tls renewal", "plan", str(topo), "--output", "json", expect=2))
+    changed = {(h["host"], f["path"]): f["diff"] for h in renewal["hosts"] for f in h["files"] if f["action"] != "none"}
+    assert set(changed) == {("host3", "/etc/bpdkv/router-0.tls.crt"), ("host3", "/etc/bpdkv/router-0.tls.key")}
+    assert all(
+        line in ("+<redacted>", "-<redacted>")
+        for line in changed[("host3", "/etc/bpdkv/router-0.tls.key")].splitlines()[3:]
+        if line[:1] in "+-"
+    ), changed
+    actions = {u["instance"]: u["action"] for h in renewal["hosts"] for u in h["units"]}
+    assert actions == {"prefill-0": "none", "decode-0": "none", "router-0": "none"}
+
     # A missing secret: one line naming the reference, exit 1, nothing changed on any host.
     monkeypatch.delenv("BPDKV_SCAN_HF")
     before = {name: path.read_bytes() for name, path in _node_files(hosts)}

@@ -110,7 +110,8 @@ def https_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     keys = folder / "keys"
     keys.write_text(f"# tenants\n{hashed_key_line('team-a', KEY_A)}\nteam-b {KEY_B}\n")
     keys.chmod(0o600)
-    emulators = [VllmEmulator(EmulatorSettings(role="prefill")), VllmEmulator(EmulatorSettings(role="decode"))]
+    # D streams a token every 20 ms, so a long answer is still in flight while the certificate is renewed.
+    emulators = [VllmEmulator(EmulatorSettings(role="prefill")), VllmEmulator(EmulatorSettings(role="decode", token_interval=0.02))]
     group = ServerGroup([e.app for e in emulators])
     p_url, d_url = group.start()
     port = _free_port()
@@ -196,6 +197,43 @@ def test_certificate_is_reloaded_on_change_without_restart(https_router: dict[st
     time.sleep(1.5)
     assert peer_serial(port, ca.path) == 1002
     assert "still serving the previous certificate" in https_router["log"].read_text()
+
+
+def test_renewal_reaches_new_connections_while_an_open_stream_finishes(https_router: dict[str, Any]) -> None:
+    """A stream over the old certificate keeps going through a renewal; a connection made meanwhile gets the new one."""
+    port, ca = https_router["port"], https_router["ca"]
+    body = {
+        "model": "emulated",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a long answer please"}],
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"authorization": f"Bearer {KEY_B}"}
+    started = time.monotonic()
+    with (
+        httpx.Client(verify=str(ca.path), timeout=30) as client,
+        client.stream("POST", https_router["url"] + "/v1/chat/completions", json=body, headers=headers) as resp,
+    ):
+        assert resp.status_code == 200
+        tls_object = resp.extensions["network_stream"].get_extra_info("ssl_object")
+        stream_serial = int(str(tls_object.getpeercert()["serialNumber"]), 16)
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        ca.issue(https_router["cert"], https_router["key"], serial=3001)
+        deadline = time.monotonic() + 10
+        while peer_serial(port, ca.path) != 3001:
+            assert time.monotonic() < deadline, "the renewed certificate was not picked up within 10 s"
+            time.sleep(0.1)
+        renewed_after = time.monotonic() - started
+        rest = [line for line in lines if line.startswith("data: ")]
+        finished_after = time.monotonic() - started
+    assert stream_serial != 3001
+    events = [first, *rest]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    deltas = [e for e in events[:-1] if '"content"' in e]
+    assert len(deltas) >= 299, len(deltas)  # every token arrived over the connection opened before the renewal
+    assert finished_after > renewed_after + 1, (renewed_after, finished_after)  # the stream was still running
 
 
 def test_keys_file_errors_name_the_line_not_the_key() -> None:

@@ -139,7 +139,7 @@ def test_rotation_diff_shows_the_changed_line_never_a_value() -> None:
     old = "# header\nHF_TOKEN=hf_oldvalue0123456789abcdefgh\nVLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.1\n"
     new_value = Resolver(environ={"HF": "hf_newvalue0123456789abcdefgh"}).resolve(SecretRef("env", "HF"))
     new = f"# header\nHF_TOKEN={new_value}\nVLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.2\n"
-    diff = secrets.secret_diff(old, new, "a", "b")
+    diff = secrets.secret_diff(old, new, "a", "b", env_file=True)
     assert "hf_oldvalue" not in diff and "hf_newvalue" not in diff
     assert "-HF_TOKEN=<redacted>\n" in diff and "+HF_TOKEN=<redacted>\n" in diff
     assert "+VLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.2\n" in diff  # plain settings stay readable
@@ -150,8 +150,22 @@ def test_rotation_diff_shows_the_changed_line_never_a_value() -> None:
 
 def test_secret_rotated_under_an_innocent_name_is_redacted_on_both_sides() -> None:
     value = Resolver(environ={"X": "innocent-looking-but-secret"}).resolve(SecretRef("env", "X"))
-    diff = secrets.secret_diff("MODEL_MIRROR=old-unknown-value\n", f"MODEL_MIRROR={value}\n", "a", "b")
+    diff = secrets.secret_diff("MODEL_MIRROR=old-unknown-value\n", f"MODEL_MIRROR={value}\n", "a", "b", env_file=True)
     assert "old-unknown-value" not in diff and "innocent-looking" not in diff
+
+
+def test_key_and_password_files_show_no_line_even_one_that_looks_like_key_value() -> None:
+    # A PEM body's last base64 line may end in '=' padding and a password may hold '=': neither is KEY=value.
+    old_pem = (
+        "-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0w\nAbcdefGhij0123456789klmnop==\n-----END PRIVATE KEY-----\n"
+    )
+    new_pem = (
+        "-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG1x\nQrstuvWxyz9876543210abcdef==\n-----END PRIVATE KEY-----\n"
+    )
+    for old, new in ((old_pem, new_pem), ("s3cretPart=tail\n", "n3wpass=word\n"), ("# not a comment\n", "# either\n")):
+        diff = secrets.secret_diff(old, new, "host:/etc/bpdkv/router-0.tls.key", "rendered")
+        shown = [line[1:] for line in diff.splitlines()[2:] if not line.startswith("@@")]
+        assert shown and set(shown) == {"<redacted>"}, diff
 
 
 def test_digest_is_stable_and_hides_content() -> None:
