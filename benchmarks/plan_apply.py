@@ -4,12 +4,19 @@
 
 Hosts are network namespaces with real sshd and docker-systemctl-replacement (bpdkv.lab.hosts); the
 instances run tests/hosts/fake_vllm.py (a real HTTP server with /health and /v1/models) in place of vLLM.
+
+Every apply also says where its time went: `apply_cli_cpu_s` (the bpdkv process's own CPU), `apply_machine_cpu_s`
+(every core of this machine during the apply: the CLI plus every host's sshd, shells, service manager and fake
+servers, which share this machine's cores), and `apply_cpu_busy` (machine CPU / (wall × cores): near 1.0 means
+the hosts queue for CPU, well below means the apply waits on the hosts' own timers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -42,10 +49,25 @@ def doc_for(lab: TestHosts, n: int) -> dict[str, Any]:
     return doc
 
 
-def timed(argv: list[str]) -> tuple[float, int]:
+def machine_cpu_s() -> float:
+    """CPU seconds spent by every process on this machine so far (user + nice + system + irq + softirq)."""
+    with open("/proc/stat") as fh:
+        ticks = [int(x) for x in fh.readline().split()[1:8]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(argv: list[str]) -> tuple[float, int, float, float]:
+    """Wall seconds, exit code, the command's own CPU seconds, and the whole machine's CPU seconds meanwhile."""
+    cli0, machine0 = children_cpu_s(), machine_cpu_s()
     start = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
-    return time.perf_counter() - start, proc.returncode
+    wall = time.perf_counter() - start
+    return wall, proc.returncode, children_cpu_s() - cli0, machine_cpu_s() - machine0
 
 
 def main() -> None:
@@ -62,14 +84,17 @@ def main() -> None:
                 ("parallel", ["--parallel", "16", "--max-unavailable", "16"]),
             ):
                 wipe(lab)
-                plan_s, plan_rc = timed(["bpdkv", "plan", str(topo), "--no-diff", *flags[:2]])
-                apply_s, apply_rc = timed(["bpdkv", "apply", str(topo), "-y", *flags])
-                noop_s, noop_rc = timed(["bpdkv", "plan", str(topo), "--no-diff", *flags[:2]])
+                plan_s, plan_rc, _, _ = timed(["bpdkv", "plan", str(topo), "--no-diff", *flags[:2]])
+                apply_s, apply_rc, cli_cpu, machine_cpu = timed(["bpdkv", "apply", str(topo), "-y", *flags])
+                noop_s, noop_rc, _, _ = timed(["bpdkv", "plan", str(topo), "--no-diff", *flags[:2]])
                 row = {
                     "hosts": n,
                     "mode": mode,
                     "plan_s": round(plan_s, 3),
                     "apply_s": round(apply_s, 3),
+                    "apply_cli_cpu_s": round(cli_cpu, 2),
+                    "apply_machine_cpu_s": round(machine_cpu, 2),
+                    "apply_cpu_busy": round(machine_cpu / (apply_s * (os.cpu_count() or 1)), 2),
                     "converged_plan_s": round(noop_s, 3),
                     "rc": [plan_rc, apply_rc, noop_rc],
                 }
@@ -77,7 +102,12 @@ def main() -> None:
                 print(json.dumps(row), file=sys.stderr, flush=True)
         wipe(lab)
     one = {r["mode"]: r["apply_s"] for r in results if r["hosts"] == min(args.hosts)}
-    out = {"benchmark": "plan_apply", "runs": results}
+    out: dict[str, Any] = {
+        "benchmark": "plan_apply",
+        "command": "python benchmarks/plan_apply.py --hosts " + " ".join(map(str, args.hosts)),
+        "cores": os.cpu_count(),
+        "runs": results,
+    }
     big = [r for r in results if r["hosts"] == max(args.hosts) and r["mode"] == "parallel"]
     if big and "parallel" in one:
         out["apply_largest_vs_one_host_parallel"] = round(big[0]["apply_s"] / one["parallel"], 2)

@@ -343,6 +343,10 @@ class Runner:
                         f"commit failed and the previous files could not be restored: {plain_errno(detail)}",
                     )
                     return
+                if result.exited != 1:
+                    # Killed or cut off mid-script (no exit status, a signal): some files may be renamed, none restored.
+                    # Stay committed, so fail() runs the restore, which is safe to repeat; if the host is gone, it is dirty.
+                    raise ConnectorError(hp.host, f"commit script ended without finishing (exit {result.exited}): {plain_errno(detail)}")
                 self.committed.discard(hp.host)  # the script restored the previous files itself
                 raise ConnectorError(hp.host, f"commit of new files failed (previous files restored): {plain_errno(detail)}")
             self.outcome(hp.host).files_written = len(changes)
@@ -674,11 +678,14 @@ def commit_script(backup: str, changes: Sequence[ops.UploadFile | ops.DeleteFile
 
 
 def restore_function() -> str:
-    """`restore`: every backed-up file back by copy + rename (never half-written), every created file removed."""
+    """`restore`: every backed-up file back by copy + rename (never half-written), every created file removed. A file
+    still equal to its backup (content, mode, owner) is left alone: never renamed, so an immutable one does not stop the
+    restore, and the restore can run again after a cut-off commit."""
     return (
         'restore() { ok=0; [ -d "$B" ] || return 0; cd "$B" || return 1; '
         "for f in $(find . -type f ! -name .created ! -name .complete); do p=${f#.}; "
-        'cp -p "$f" "$p.bpdkv-old" && mv -f "$p.bpdkv-old" "$p" || ok=1; done; '
+        'if cmp -s "$f" "$p" && [ "$(stat -c %a:%u:%g "$f")" = "$(stat -c %a:%u:%g "$p")" ]; then continue; fi; '
+        'cp -p "$f" "$p.bpdkv-old" && mv -f "$p.bpdkv-old" "$p" || { rm -f "$p.bpdkv-old"; ok=1; }; done; '
         'if [ -f .created ]; then while read -r p; do rm -f "$p" || ok=1; done < .created; fi; cd /; return $ok; }'
     )
 

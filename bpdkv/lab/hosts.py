@@ -28,8 +28,46 @@ NET = "10.213.0"
 PER_HOST_DIRS = ("/etc/bpdkv", "/opt/bpdkv", "/etc/systemd/system", "/var/lib/bpdkv", "/var/log")
 
 INIT = r"""#!/usr/bin/python3
-# PID 1 of a test host: start sshd, reap every orphan (services started by systemctl end up here).
-import os, signal, subprocess, sys
+# PID 1 of a test host: start sshd, reap every orphan (services started by systemctl end up here), and stamp the
+# journal. The service manager appends each unit's output to /var/log/journal/<unit>.log with no time; like journald,
+# which stamps an entry when it receives it, a thread notes every 0.1 s the arrival time of each new line
+# (<unit>.log.times: one line per log line, microseconds since the epoch). journalctl reads them.
+import glob, os, signal, subprocess, sys, threading, time
+
+
+def stamp_journal():
+    seen = {}  # log path -> (inode, bytes stamped)
+    while True:
+        for log in glob.glob("/var/log/journal/*.log"):
+            try:
+                inode, size = os.stat(log).st_ino, os.path.getsize(log)
+                known, offset = seen.get(log, (None, 0))
+                with open(log, "rb") as fh:
+                    if known != inode or size < offset:  # first sight, or a new file: resume after what is stamped
+                        try:
+                            with open(log + ".times") as times:
+                                stamped = len(times.read().splitlines())
+                        except FileNotFoundError:
+                            stamped = 0
+                        lines = fh.read().split(b"\n")[:-1]
+                        if stamped > len(lines):  # stamps of another file: start over
+                            open(log + ".times", "w").close()
+                            stamped = 0
+                        offset = sum(len(line) + 1 for line in lines[:stamped])
+                    fh.seek(offset)
+                    data = fh.read()
+                complete = data[: data.rfind(b"\n") + 1]
+                if complete:
+                    now = str(int(time.time() * 1e6))
+                    with open(log + ".times", "a") as times:
+                        times.write((now + "\n") * complete.count(b"\n"))
+                seen[log] = (inode, offset + len(complete))
+            except OSError:
+                seen.pop(log, None)  # removed meanwhile (a test wiping the host): looked at afresh next time
+        time.sleep(0.1)
+
+
+threading.Thread(target=stamp_journal, daemon=True).start()
 sshd = subprocess.Popen(sys.argv[1:])
 signal.signal(signal.SIGTERM, lambda *a: (sshd.terminate(), sys.exit(0)))
 while True:
@@ -49,16 +87,57 @@ mkdir -m 755 /run/sshd
 for d in "$@"; do mkdir -p "$d"; mount --bind "$H/fs$d" "$d"; done
 mount --bind "$BPDKV_LAB/systemctl" /usr/bin/systemctl
 mount --bind "$BPDKV_LAB/journalctl" /usr/bin/journalctl
+# This machine's root shell rc files set up pyenv (~0.12 s of CPU per SSH command, since bash reads ~/.bashrc for
+# sshd's commands); a node's root shell does not: the hosts get an empty one, so they cost what a real node costs.
+for f in /root/.bashrc /root/.profile; do [ ! -f "$f" ] || mount --bind "$BPDKV_LAB/shellrc" "$f"; done
 exec /usr/bin/python3 "$BPDKV_LAB/init.py" /usr/sbin/sshd -D -e -f "$H/sshd_config"
 """
 
 
 JOURNALCTL = r"""#!/usr/bin/python3
 # journalctl of a test host. The service manager here (docker-systemctl-replacement) appends each unit's output to
-# /var/log/journal/<unit>.log and records no time per line, so entries carry no __REALTIME_TIMESTAMP and --since
-# cannot filter (all lines are shown). The cursor is the line number. Supports what `bpdkv logs` and people use:
-# -u UNIT (repeatable), -o json|short-iso-precise|cat|short, -n N, --since (accepted), --after-cursor, --no-pager, -q.
-import argparse, json, os, sys
+# /var/log/journal/<unit>.log; the host's init stamps each line's arrival in <unit>.log.times (a line not stamped yet
+# has no time and counts as newer than any --since). The cursor is the line number. Supports what `bpdkv logs` and
+# people use: -u UNIT (repeatable), -o json|short-iso-precise|cat|short, -n N, --since (journalctl's forms: "now",
+# "today", "yesterday", "@EPOCH", "-5min", "5 min ago", "YYYY-MM-DD [HH:MM[:SS[.ffffff]]] [UTC]", "HH:MM[:SS]";
+# local time unless UTC), --after-cursor, --no-pager, -q.
+import argparse, datetime, json, os, re, sys
+UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60,
+         "min": 60, "minute": 60, "minutes": 60, "h": 3600, "hr": 3600, "hour": 3600, "hours": 3600, "d": 86400,
+         "day": 86400, "days": 86400, "w": 604800, "week": 604800, "weeks": 604800}
+
+
+def since_us(text):
+    t = text.strip()
+    now = datetime.datetime.now().astimezone()
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    named = {"now": now, "today": midnight, "yesterday": midnight - datetime.timedelta(days=1),
+             "tomorrow": midnight + datetime.timedelta(days=1)}
+    if t in named:
+        return int(named[t].timestamp() * 1e6)
+    if re.fullmatch(r"@\d+(\.\d+)?", t):
+        return int(float(t[1:]) * 1e6)
+    relative = re.fullmatch(r"([-+]?)\s*((?:\d+\s*[a-z]+\s*)+?)\s*(ago)?", t)
+    if relative and (relative.group(1) or relative.group(3)) and not (relative.group(1) and relative.group(3)):
+        parts = re.findall(r"(\d+)\s*([a-z]+)", relative.group(2))
+        if all(unit in UNITS for _, unit in parts):
+            seconds = sum(int(n) * UNITS[unit] for n, unit in parts)
+            sign = 1 if relative.group(1) == "+" else -1
+            return int((now.timestamp() + sign * seconds) * 1e6)
+    utc = t.endswith(" UTC")
+    body = t[: -len(" UTC")] if utc else t
+    for fmt in ("%Y-%m-%d %H:%M:%S.%f", "%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%H:%M:%S", "%H:%M"):
+        try:
+            when = datetime.datetime.strptime(body, fmt)
+        except ValueError:
+            continue
+        if not fmt.startswith("%Y"):
+            when = datetime.datetime.combine(now.date(), when.time())
+        when = when.replace(tzinfo=datetime.timezone.utc) if utc else when.astimezone()
+        return int(when.timestamp() * 1e6)
+    sys.exit(f"Failed to parse timestamp: {text}")
+
+
 ap = argparse.ArgumentParser()
 ap.add_argument("-u", "--unit", action="append", default=[])
 ap.add_argument("-o", "--output", default="short")
@@ -71,25 +150,38 @@ ap.add_argument("-q", "--quiet", action="store_true")
 args = ap.parse_args()
 if args.follow:
     sys.exit("journalctl (test host): --follow is not supported; poll with --after-cursor")
+cutoff = since_us(args.since) if args.since else None
 for unit in args.unit or []:
     unit = unit if "." in unit else unit + ".service"
     try:
-        with open(f"/var/log/journal/{unit}.log", errors="replace") as fh:
-            lines = fh.read().splitlines()
+        with open(f"/var/log/journal/{unit}.log", errors="replace", newline="") as fh:
+            lines = fh.read().split("\n")  # newlines only, as the stamps count them (no \r, \f, ... splits)
+        lines = lines[:-1] if lines[-1] == "" else lines
     except FileNotFoundError:
         lines = []
-    numbered = list(enumerate(lines, 1))
+    try:
+        with open(f"/var/log/journal/{unit}.log.times") as fh:
+            stamps = [int(s) for s in fh.read().split()]
+    except FileNotFoundError:
+        stamps = []
+    numbered = [(n, stamps[n - 1] if n <= len(stamps) else None, text) for n, text in enumerate(lines, 1)]
     if args.after_cursor:
         numbered = numbered[int(args.after_cursor.rsplit("=", 1)[1]):]
+    elif cutoff is not None:
+        numbered = [entry for entry in numbered if entry[1] is None or entry[1] >= cutoff]
     if args.lines is not None:
         numbered = numbered[-args.lines:] if args.lines else []
-    for n, text in numbered:
+    for n, stamp, text in numbered:
         if args.output == "json":
-            print(json.dumps({"__CURSOR": f"lab;line={n}", "_SYSTEMD_UNIT": unit, "_HOSTNAME": os.uname().nodename, "MESSAGE": text}))
+            record = {"__CURSOR": f"lab;line={n}", "_SYSTEMD_UNIT": unit, "_HOSTNAME": os.uname().nodename, "MESSAGE": text}
+            if stamp is not None:
+                record["__REALTIME_TIMESTAMP"] = str(stamp)
+            print(json.dumps(record))
         elif args.output == "cat":
             print(text)
         else:
-            print(f"- {os.uname().nodename} {unit}: {text}")
+            when = "-" if stamp is None else datetime.datetime.fromtimestamp(stamp / 1e6).astimezone().isoformat(timespec="microseconds")
+            print(f"{when} {os.uname().nodename} {unit}: {text}")
 """
 
 
@@ -148,6 +240,7 @@ class TestHosts:
         assert replacement is not None
         (self.base / "systemctl").write_text("#!/usr/bin/python3\n" + replacement.read_text().split("\n", 1)[1])
         (self.base / "journalctl").write_text(JOURNALCTL)
+        (self.base / "shellrc").write_text("# test host: root's shell rc (empty, like a node's for non-interactive SSH)\n")
         for name in ("systemctl", "journalctl"):
             (self.base / name).chmod(0o755)
         self.known_hosts.write_text("")

@@ -2,7 +2,8 @@
 """A small real HTTP server standing in for vLLM (and the router) on test hosts: /health and /v1/models.
 
 Started by the rendered launch script as `$VENV/bin/python -m vllm... --port N` or `$VENV/bin/bpdkv router --config F`.
-FAKE_VERSION (env) is reported in /version; FAKE_HEALTH=fail makes /health answer 503 (a failed health gate).
+FAKE_VERSION (env) is reported in /version and as the text of POST /v1/completions and /v1/chat/completions (a
+whole answer, after FAKE_DELAY seconds); FAKE_HEALTH=fail makes /health answer 503 (a failed health gate).
 As the router it also answers the admin API (GET /admin/upstreams, POST .../drain|undrain) for the names in its
 config, and appends each admin call to /var/log/fake-router-admin.log so tests can check the order of drains and
 restarts. FAKE_ADMIN=fail (router env) makes every admin call answer 500.
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 args = sys.argv[1:]
@@ -59,6 +61,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self):  # noqa: N802
+        if self.path in ("/v1/completions", "/v1/chat/completions") and not upstreams:
+            return self.complete()
         match = re.fullmatch(r"/admin/upstreams/([^/]+)/(drain|undrain)", self.path)
         if not match or not upstreams:
             code, body = 404, b"{}"
@@ -70,6 +74,31 @@ class Handler(BaseHTTPRequestHandler):
             with open("/var/log/fake-router-admin.log", "a") as fh:
                 fh.write(f"{match.group(2)} {match.group(1)}\n")
         self.send_response(code)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def complete(self):
+        """A whole (non-streamed) completion naming this instance's FAKE_VERSION: enough for the real router's P→D turn
+        (P answers without kv_transfer_params, so D is asked without them). FAKE_DELAY (seconds) keeps requests in flight."""
+        request = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+        time.sleep(float(os.environ.get("FAKE_DELAY", "0")))
+        text = os.environ.get("FAKE_VERSION", "none")
+        if self.path == "/v1/chat/completions":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length"}
+        body = json.dumps(
+            {
+                "id": "cmpl-fake",
+                "object": "chat.completion" if "chat" in self.path else "text_completion",
+                "model": request.get("model", "fake"),
+                "choices": [choice],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        ).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

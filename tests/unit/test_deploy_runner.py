@@ -219,3 +219,34 @@ def test_commit_script_restores_every_file_when_a_rename_fails(tmp_path: Path) -
     ok = subprocess.run(["sh", "-c", commit_script(str(tmp_path / "backup"), changes[:2])], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
     assert old.read_text() == "A=new\n" and created.read_text() == "B=new\n" and (old.stat().st_mode & 0o777) == 0o600
+
+
+def test_restore_after_a_commit_cut_off_mid_rename_leaves_unchanged_files_alone(tmp_path: Path) -> None:
+    """A commit killed after its first rename: the restore puts that file back, never renames a file still equal to its
+    backup (an immutable one would refuse), leaves no temp copies, and can run twice."""
+    import hashlib
+    import subprocess
+
+    from bpdkv.deploy.runner import TMP_SUFFIX, commit_script, restore_script
+
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    first, second = etc / "a.env", etc / "b.service"
+    first.write_text("A=old\n")
+    second.write_text("B=old\n")
+    for f, text in ((first, "A=new\n"), (second, "B=new\n")):
+        (etc / (f.name + TMP_SUFFIX)).write_text(text)
+    changes = [ops.UploadFile(str(f), 0o644, hashlib.sha256(b"x").hexdigest()) for f in (first, second)]
+    script = commit_script(str(tmp_path / "backup"), changes)
+    lines = script.splitlines()
+    first_mv = next(i for i, line in enumerate(lines) if "mv -f" in line and TMP_SUFFIX in line)
+    cut = "\n".join([*lines[: first_mv + 1], "kill -KILL $$"])  # the shell dies right after the first rename
+    subprocess.run(["sh", "-c", cut], capture_output=True, text=True, timeout=30)
+    assert first.read_text() == "A=new\n" and second.read_text() == "B=old\n"
+    untouched = second.stat().st_ino
+    for _ in range(2):
+        proc = subprocess.run(["sh", "-c", restore_script(str(tmp_path / "backup"))], capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        assert first.read_text() == "A=old\n" and second.read_text() == "B=old\n"
+        assert second.stat().st_ino == untouched  # equal to its backup: not replaced
+        assert not list(etc.glob("*.bpdkv-old"))
