@@ -135,7 +135,7 @@ class RequestAccount:
         if not self.done:
             self.done = True
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(self.route, str(status)).inc()
+            self.metrics.child(self.metrics.requests, self.route, str(status)).inc()
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
@@ -614,7 +614,7 @@ class Router:
         if request.headers.get(contracts.REUSE_HEADER, "").lower() != contracts.SWITCH_OFF:  # benchmark A/B on one fleet
             ident = sessions.identify(route, tenant, body, session_id, mode)
         entry, outcome = await self.lookup(ident)
-        self.metrics.reuse.labels(outcome.value).inc()
+        self.metrics.child(self.metrics.reuse, outcome.value).inc()
         headers = self._upstream_headers(request)
         salt = uuid.uuid4().hex if request.headers.get(contracts.P_CACHE_HEADER, "").lower() == contracts.SWITCH_OFF else None
         prefilled = await self.turn.prefill(

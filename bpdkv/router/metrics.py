@@ -10,6 +10,7 @@ and a single router keeps the plain in-memory values (no file writes on the hot 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -81,6 +82,15 @@ class RouterMetrics:
         self.store_errors = Counter("bpdkv_router_store_errors", "Session store (Redis) failures; served without reuse", registry=r)
         self.disconnects = Counter("bpdkv_router_client_disconnects", "Clients that went away mid-request", registry=r)
         self.in_flight = Gauge("bpdkv_router_in_flight", "Client requests in flight", registry=r, multiprocess_mode="livesum")
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), kept: labels() takes a lock and validates its arguments on every call (hot path)."""
+        key = (id(metric), *labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*labels)
+        return got
 
     def exposition(self) -> bytes:
         """The text /metrics answers: this router's registry, or every worker's values in multiprocess mode."""

@@ -131,8 +131,13 @@ class Reply:
         """Events as D sent them. A plain text stream (no tool calls, no reasoning) gives its text to one regular
         expression scan of the whole buffer and its finish reason to another; anything else is parsed event by event."""
         if b"tool_calls" not in raw and b"reasoning" not in raw:
-            for piece in _TEXT.findall(raw):
-                self.content.append(piece.decode() if b"\\" not in piece else json.loads(b'"' + piece + b'"'))
+            pieces = _TEXT.findall(raw)
+            joined = b"".join(pieces)
+            if b"\\" not in joined:  # nothing escaped: one decode of the whole text
+                self.content.append(joined.decode())
+            else:
+                for piece in pieces:
+                    self.content.append(piece.decode() if b"\\" not in piece else json.loads(b'"' + piece + b'"'))
             finishes = _FINISH.findall(raw)
             if finishes:
                 self.finish_reason = finishes[-1].decode()

@@ -10,7 +10,6 @@ calibrate, the GPU and e2e tests — through `TurnClient` (standard library HTTP
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 import urllib.error
@@ -44,7 +43,8 @@ def prefill_body(body: dict[str, Any], d_params: dict[str, Any] | None, fresh_sa
     req["stream"] = False
     req.pop("stream_options", None)
     req["n"] = 1
-    req[contracts.KV_TRANSFER_PARAMS] = copy.deepcopy(d_params) if d_params else contracts.prefill_template()
+    # A copy of the top level suffices: the request is serialised at once and nothing edits nested values.
+    req[contracts.KV_TRANSFER_PARAMS] = dict(d_params) if d_params else contracts.prefill_template()
     return req
 
 
@@ -177,7 +177,7 @@ class PdTurn:
                 answer = await self.call(member.url + route, prefill_body(body, d_params, salt), headers, self.timeouts.prefill)
             except UPSTREAM_ERRORS as exc:
                 return type(exc).__name__
-        self.metrics.upstream.labels("prefill").observe(time.perf_counter() - t0)
+        self.metrics.child(self.metrics.upstream, "prefill").observe(time.perf_counter() - t0)
         return f"http_{answer.status}" if answer.status >= 500 else answer
 
     async def prefill(
@@ -263,10 +263,10 @@ class PdTurn:
                     last = self.failed(self.decode_pool, member, f"http_{got.status}")
                     continue
                 self.decode_pool.success(member)
-                self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
+                self.metrics.child(self.metrics.upstream, "decode").observe(time.perf_counter() - t0)
                 return DecodedWhole(got, member) if got.status == 200 else Passthrough(got)
             self.decode_pool.success(member)
-            self.metrics.upstream.labels("decode").observe(time.perf_counter() - t0)
+            self.metrics.child(self.metrics.upstream, "decode").observe(time.perf_counter() - t0)
             return DecodeStream(member, lease, got)
         return NoUpstream(f"no decode upstream succeeded ({last})")
 

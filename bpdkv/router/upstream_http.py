@@ -73,6 +73,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.active = False  # an exchange is under way (from send until the pool takes the connection back)
         self.idle_since = 0.0
         self._reset()
 
@@ -113,8 +114,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        if self.waiter is None and self.on_end is None:
-            return  # idle
+        if not self.active:
+            return  # idle in the pool: it is skipped there
         if self.got_headers and self.until_close and not self.complete and exc is None:
             self.on_message_complete()
             return
@@ -196,6 +197,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def send(self, request: bytes, first_byte_s: float, idle_s: float) -> None:
         self._reset()
+        self.active = True
         now = self.loop.time()
         self.last_read = now
         self.first_byte_s = first_byte_s
@@ -347,6 +349,7 @@ class UpstreamClient:
             return
         conn.sink = None
         conn.on_end = None
+        conn.active = False
         conn.idle_since = conn.loop.time()
         idle.append(conn)
 
