@@ -147,7 +147,12 @@ ap.add_argument("--after-cursor")
 ap.add_argument("-f", "--follow", action="store_true")
 ap.add_argument("--no-pager", action="store_true")
 ap.add_argument("-q", "--quiet", action="store_true")
-args = ap.parse_args()
+argv = sys.argv[1:]
+for i, arg in enumerate(argv[:-1]):  # getopt takes the next word as the value, even "-1h"; argparse would not
+    if arg in ("-S", "--since"):
+        argv[i : i + 2] = ["--since=" + argv[i + 1]]
+        break
+args = ap.parse_args(argv)
 if args.follow:
     sys.exit("journalctl (test host): --follow is not supported; poll with --after-cursor")
 cutoff = since_us(args.since) if args.since else None
