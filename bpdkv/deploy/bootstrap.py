@@ -249,6 +249,13 @@ def build_bpdkv_wheel(out: Path) -> Path:
     root = _PACKAGE_DIR.parent
     if not (root / "pyproject.toml").is_file():
         return repack_installed_wheel(out)
+    import importlib.util
+
+    if importlib.util.find_spec("hatchling") is None:  # --no-build-isolation: pip imports the backend from here
+        raise BootstrapError(
+            f"cannot build bpdkv's wheel from {root}: its build backend hatchling is not installed in this environment "
+            f"({sys.executable}); pip install 'hatchling>=1.21' (bpdkv depends on it: reinstalling bpdkv brings it)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
