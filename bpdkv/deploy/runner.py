@@ -247,7 +247,14 @@ class Runner:
         for op in hp.operations:
             if isinstance(op, ops.InstallSystemPackages):
                 self.progress(hp.host, ops.describe(op))
-                run_checked(self.conns[hp.host], op.command(), INSTALL_TIMEOUT)
+                result = self.conns[hp.host].run(op.command(), INSTALL_TIMEOUT)
+                if result.exited != 0:
+                    said = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+                    # apt-get's reason is its "E: ..." line; warnings (W:) and progress come before it.
+                    reason = next((line for line in reversed(said) if line.startswith("E:")), said[-1] if said else "no output")
+                    raise ConnectorError(
+                        hp.host, f"apt-get install {' '.join(op.packages)} failed (exit {result.exited}): {plain_errno(reason)}"
+                    )
             elif isinstance(op, ops.InstallPackages):
                 self.install_packages(hp, op)
 
