@@ -30,7 +30,7 @@ import httpx
 
 from bpdkv import contracts as c
 from bpdkv.lab.processes import stop_group
-from bpdkv.testing.vllm_emulator import hermes_block, literal_regex
+from bpdkv.testing.vllm_emulator import THOUGHT_END, THOUGHT_START, hermes_block, literal_regex
 
 VLLM_PYTHON = Path(os.environ.get("BPDKV_VLLM_PYTHON", "/opt/bpdkv-ci/vllm-venv/bin/python"))
 MODEL_DIR = Path(os.environ.get("BPDKV_TINY_MODEL", "/var/cache/bpdkv/tiny-cpu"))
@@ -78,7 +78,8 @@ TOOL_MAX_TOKENS = 200  # the tiny model writes a forced call one character at a 
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 # A reasoning model's shape from a parser vLLM ships whose markers are plain text (the tiny tokenizer has no <think>
 # token): Gemma 4's thought channel. Thinking is off unless a request asks (`chat_template_kwargs.enable_thinking`), so
-# other requests parse as before; the grammar applies from the first token so a regex can force the thought too.
+# other requests parse as before (only `usage.completion_tokens_details` becomes {"reasoning_tokens": n} in chat
+# answers); the grammar applies from the first token so a regex can force the thought too.
 REASONING_ARGS = ("--reasoning-parser", "gemma4", "--structured-outputs-config", json.dumps({"enable_in_reasoning": True}))
 THINKING = {"enable_thinking": True}
 
@@ -123,7 +124,7 @@ def forced_tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]
 def forced_reasoning(reasoning: str, answer: str) -> dict[str, Any]:
     """Request fields that make the random tiny model think `reasoning`, then answer `answer` (Gemma 4 channel markup,
     which the `gemma4` parser returns as the message's `reasoning` and the stream's `reasoning` deltas)."""
-    text = f"<|channel>thought\n{reasoning}<channel|>{answer}"
+    text = f"{THOUGHT_START}{reasoning}{THOUGHT_END}{answer}"
     return {"chat_template_kwargs": THINKING, "structured_outputs": {"regex": literal_regex(text)}}
 
 
@@ -157,6 +158,7 @@ class VllmCpuServer:
     ttl: int = 120
     threshold: int = 16
     plugin: bool = True  # False: stock vLLM (NixlConnector, no bpdkv general plugin)
+    reasoning: bool = False  # True: with the `gemma4` reasoning parser (REASONING_ARGS)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -169,7 +171,7 @@ class VllmCpuServer:
             "timeout", str(MAX_LIFETIME), str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(MODEL_DIR), "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--enforce-eager", "--seed", "0", "--block-size", "32",
-            "--chat-template", str(self.template), *TOOL_ARGS, *REASONING_ARGS,
+            "--chat-template", str(self.template), *TOOL_ARGS, *(REASONING_ARGS if self.reasoning else ()),
         ]  # fmt: skip
         if self.role is not None:
             kv: dict[str, Any] = {
@@ -376,6 +378,22 @@ def record_plain(rec: Recorder, url: str) -> None:
     ]
     for name, route, body, note in bad:
         rec.record(name, "plain", route, body, send(url, route, body), note)
+    record_reasoning(rec, url)
+
+
+def record_reasoning(rec: Recorder, url: str) -> None:
+    """A reasoning model's answer (a plain server with the reasoning parser): the thought apart from the content, in
+    the message and in the stream's deltas; a free answer with thinking on (the model never closes its thought)."""
+    question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Think first: who holds the blocks?"}]
+    thought = forced_reasoning("D keeps its blocks for the ttl.", "The decode node.")
+    for stream in (False, True):
+        kind = "stream" if stream else "json"
+        body = chat_body(question, 120, stream=stream, **thought)
+        rec.record(f"reasoning_chat_{kind}", "plain", CHAT, body, send(url, CHAT, body), "thought then answer, forced by regex")
+    body = chat_body(question, 120, stream=True, stream_options={"include_usage": True}, **thought)
+    rec.record("reasoning_chat_stream_usage", "plain", CHAT, body, send(url, CHAT, body), "reasoning stream with a usage chunk")
+    body = chat_body(question, 16, chat_template_kwargs=THINKING)
+    rec.record("reasoning_chat_free_json", "plain", CHAT, body, send(url, CHAT, body), "thinking on, nothing forced")
 
 
 def record_pd(rec: Recorder, p: VllmCpuServer, d: VllmCpuServer, prefix: str) -> None:
@@ -473,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         template = logs / "tool_chat_template.jinja"
         template.write_text(TOOL_CHAT_TEMPLATE)
         servers = [
-            VllmCpuServer("plain", logs, None, template),
+            VllmCpuServer("plain", logs, None, template, reasoning=True),
             VllmCpuServer("prefill", logs, "kv_producer", template),
             VllmCpuServer("decode", logs, "kv_consumer", template, ttl=args.ttl),
         ]

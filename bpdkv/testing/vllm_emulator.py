@@ -63,6 +63,7 @@ class EmulatorSettings:
     prefix_caching: bool = True  # False emulates a P whose cache was evicted between turns
     prefill_plugin: bool = False  # P runs the bpdkv connector: refuses expiring blocks, cuts pulls where tokens differ
     max_model_len: int = 1 << 20  # tokens (here: bytes of the rendering); longer prompts get vLLM's 400
+    reasoning_parser: bool = False  # vLLM's `gemma4` reasoning parser: thoughts apart from the content, reasoning_tokens
 
 
 @dataclass
@@ -270,9 +271,14 @@ class VllmEmulator:
         if role in ("decode",) and isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and finish in ("stop", "length"):
             out_params = self._hold_for_next_turn(tokens, output)
         text = bytes(output).decode(errors="replace")
+        stream = _lax_bool(body.get("stream"))
+        reasoning: str | None = None
+        if chat and self.settings.reasoning_parser and (not stream or _thinking(body)):
+            # vLLM splits the thought off a whole answer always, off a stream only when the request turned thinking on.
+            reasoning, text = split_thought(text)
         calls = hermes_tool_calls(text) if chat and finish == "stop" and _auto_tools(body) else None
-        answer = Answer(text, finish, calls, output, len(tokens))
-        if _lax_bool(body.get("stream")):
+        answer = Answer(text, finish, calls, output, len(tokens), reasoning)
+        if stream:
             return StreamingResponse(self._stream(body, answer, chat, out_params), media_type="text/event-stream")
         await asyncio.sleep(self.settings.first_token_delay + self.settings.token_interval * max(len(output) - 1, 0))
         return JSONResponse(self._response(body, tokens, answer, chat, out_params))
@@ -301,7 +307,7 @@ class VllmEmulator:
                 "annotations": None,
                 "audio": None,
                 "function_call": None,
-                "reasoning": None,
+                "reasoning": answer.reasoning,
             }
             if answer.calls:
                 message["tool_calls"] = [{"id": c["id"], "type": "function", "function": c["function"]} for c in answer.calls]
@@ -322,7 +328,7 @@ class VllmEmulator:
                 "total_tokens": len(tokens) + len(answer.output),
                 "completion_tokens": len(answer.output),
                 "prompt_tokens_details": None,
-                "completion_tokens_details": None,
+                "completion_tokens_details": self._completion_details(answer) if chat else None,
             },
             contracts.KV_TRANSFER_PARAMS: params,
             "ec_transfer_params": None,
@@ -331,6 +337,9 @@ class VllmEmulator:
         if chat:
             resp.update(prompt_logprobs=None, prompt_token_ids=list(tokens) if body.get("return_token_ids") else None, prompt_text=None)
         return resp
+
+    def _completion_details(self, answer: Answer) -> dict[str, int] | None:
+        return {"reasoning_tokens": answer.reasoning_tokens} if self.settings.reasoning_parser else None
 
     async def _pull_from_decode(
         self, params: dict[str, Any], tokens: list[int], cached: int
@@ -449,7 +458,10 @@ class VllmEmulator:
         yield _sse({**head, "choices": [finish], **({} if usage else {"system_fingerprint": SYSTEM_FINGERPRINT})})
         if usage:
             n_prompt, n_out = answer.prompt_tokens, len(answer.output)
-            counts = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out, "completion_tokens": n_out}
+            counts: dict[str, Any] = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out, "completion_tokens": n_out}
+            details = self._completion_details(answer) if chat else None
+            if details is not None:
+                counts["completion_tokens_details"] = details
             yield _sse({**head, "choices": [], "system_fingerprint": SYSTEM_FINGERPRINT, "usage": counts})
         if params is not None and self.settings.stream_params:
             yield _sse({**head, "choices": [], contracts.KV_TRANSFER_PARAMS: params})
@@ -465,6 +477,11 @@ class Answer:
     calls: list[dict[str, Any]] | None
     output: list[int]
     prompt_tokens: int
+    reasoning: str | None = None  # the thought, split off `text` by the reasoning parser
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return len((THOUGHT_START + (self.reasoning or "") + THOUGHT_END).encode()) if self.reasoning is not None else 0
 
     @property
     def api_finish(self) -> str:
@@ -478,10 +495,12 @@ class Answer:
         return before or None
 
     def deltas(self, chat: bool) -> list[dict[str, Any]]:
-        """Stream deltas: a character per chunk; a tool call as its name, then its arguments a character at a time."""
+        """Stream deltas: a character per chunk (the thought's first); a tool call as its name, then its arguments a
+        character at a time."""
+        thought = [{"reasoning": ch} for ch in self.reasoning or ""]
         if not self.calls:
-            return [{"content": ch} for ch in self.text]
-        out: list[dict[str, Any]] = [{"content": ch} for ch in self.content or ""]
+            return thought + [{"content": ch} for ch in self.text]
+        out: list[dict[str, Any]] = thought + [{"content": ch} for ch in self.content or ""]
         for i, call in enumerate(self.calls):
             head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"]}}
             out.append({"content": None, "tool_calls": [head]})
@@ -493,6 +512,25 @@ class Answer:
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+# Gemma 4's thought channel, as vLLM's `gemma4` reasoning parser reads it: plain text to a tokenizer that lacks the
+# special tokens (the tiny test model's, and the emulator's bytes).
+THOUGHT_START = "<|channel>thought\n"
+THOUGHT_END = "<channel|>"
+
+
+def split_thought(text: str) -> tuple[str | None, str]:
+    """(thought, content) of an answer that opens with a closed thought channel; (None, text) otherwise."""
+    if not text.startswith(THOUGHT_START) or THOUGHT_END not in text:
+        return None, text
+    thought, _, content = text[len(THOUGHT_START) :].partition(THOUGHT_END)
+    return thought, content
+
+
+def _thinking(body: dict[str, Any]) -> bool:
+    kwargs = body.get("chat_template_kwargs")
+    return isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True
 
 
 def hermes_block(name: str, arguments: Any) -> str:

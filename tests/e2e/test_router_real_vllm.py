@@ -67,9 +67,9 @@ def fleet(tiny_model: Path) -> Iterator[Fleet]:
         logs = Path(tmp)
         template = logs / "tool_chat_template.jinja"
         template.write_text(TOOL_CHAT_TEMPLATE)
-        p = VllmCpuServer("prefill", logs, "kv_producer", template)
-        d = VllmCpuServer("decode", logs, "kv_consumer", template)
-        ref = VllmCpuServer("reference", logs, None, template)
+        p = VllmCpuServer("prefill", logs, "kv_producer", template, reasoning=True)
+        d = VllmCpuServer("decode", logs, "kv_consumer", template, reasoning=True)
+        ref = VllmCpuServer("reference", logs, None, template, reasoning=True)
         group: ServerGroup | None = None
         try:
             for server in (p, d, ref):
