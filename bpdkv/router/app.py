@@ -481,16 +481,19 @@ class Router:
             parts.append(chunk)
             if not message.get("more_body", False):
                 break
+        raw = b"".join(parts)
         try:
-            body = jsonbytes.loads(b"".join(parts))
+            body = jsonbytes.loads(raw)
         except RecursionError:
             raise BadRequest(400, f"request body nests deeper than {self.config.max_json_depth} levels", "too_deep") from None
         except ValueError:
             raise BadRequest(400, "request body is not valid JSON", "invalid_json") from None
         if not isinstance(body, dict):
             raise BadRequest(400, "request body must be a JSON object", "not_object")
-        if json_depth_exceeds(body, self.config.max_json_depth):
-            raise BadRequest(400, f"request body nests deeper than {self.config.max_json_depth} levels", "too_deep")
+        # Nesting needs an opening bracket per level: a body with few of them cannot be too deep (no walk needed).
+        limit_depth = self.config.max_json_depth
+        if raw.count(b"{") + raw.count(b"[") > limit_depth and json_depth_exceeds(body, limit_depth):
+            raise BadRequest(400, f"request body nests deeper than {limit_depth} levels", "too_deep")
         return body
 
     # ---- sessions --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from starlette.types import Send
 from bpdkv import contracts
 
 EVENT_END = b"\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
 PARAMS_MARK = contracts.KV_TRANSFER_PARAMS.encode()
 _TEXT = re.compile(rb'"(?:content|text)": ?"([^"\\]*(?:\\.[^"\\]*)*)"')
 _FINISH = re.compile(rb'"finish_reason": ?"([^"\\]+)"')
@@ -129,22 +130,26 @@ class Reply:
 
     def _add_raw(self, raw: bytes) -> None:
         """Events as D sent them. A plain text stream (no tool calls, no reasoning) gives its text to one regular
-        expression scan of the whole buffer and its finish reason to another; anything else is parsed event by event."""
+        expression scan of the whole buffer and its finish reason to a search from the end; anything else is parsed
+        event by event."""
         if b"tool_calls" not in raw and b"reasoning" not in raw:
             pieces = _TEXT.findall(raw)
             joined = b"".join(pieces)
-            if b"\\" not in joined:  # nothing escaped: one decode of the whole text
-                self.content.append(joined.decode())
-            else:
-                for piece in pieces:
-                    self.content.append(piece.decode() if b"\\" not in piece else json.loads(b'"' + piece + b'"'))
-            finishes = _FINISH.findall(raw)
-            if finishes:
-                self.finish_reason = finishes[-1].decode()
+            # Each value is a whole JSON string body, so their concatenation is one: a single decode.
+            self.content.append(joined.decode() if b"\\" not in joined else json.loads(b'"' + joined + b'"'))
+            self.finish_reason = _last_finish(raw)
             self.events += raw.count(b"data: {") + raw.count(b"data:{")
             return
         for event in sse_events(raw):
             self.add_event(event)
+
+
+def _last_finish(raw: bytes) -> str | None:
+    at = max(raw.rfind(b'"finish_reason":"'), raw.rfind(b'"finish_reason": "'))
+    if at < 0:
+        return None
+    found = _FINISH.match(raw, at)
+    return found.group(1).decode() if found else None
 
 
 def strip_params(events: bytes) -> tuple[bytes, dict[str, Any] | None]:
@@ -240,6 +245,7 @@ class SseRelay:
         self._params: dict[str, Any] | None = None
         self._kept: list[bytes] = []
         self._pending = b""
+        self._held = b""  # D's [DONE] event, written with the response's end (one write for both)
         self._first_sent = False
         self._out: list[bytes] = []  # blocks for the ASGI path
         self._wake: asyncio.Future[None] | None = None
@@ -297,9 +303,10 @@ class SseRelay:
                 # Mid-stream failure: the client already has bytes, so no retry; end the stream with an error event.
                 error = type(upstream_error).__name__
                 err = {"error": {"message": f"decode failed mid-stream: {error}", "type": "upstream_error"}}
-                await send({"type": "http.response.body", "body": b"data: " + json.dumps(err).encode() + EVENT_END, "more_body": False})
+                body = self._held + b"data: " + json.dumps(err).encode() + EVENT_END
+                await send({"type": "http.response.body", "body": body, "more_body": False})
             else:
-                tail = self._edit(self._pending) if self._pending else b""
+                tail = self._held + (self._edit(self._pending) if self._pending else b"")
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
                 completed = True
         except OSError as exc:  # the client's socket failed under send
@@ -326,6 +333,9 @@ class SseRelay:
                 self.upstream.pause()
                 self._ended(None)
                 return
+            if self._first_sent and block.endswith(DONE_EVENT):
+                self._held = block  # the stream ends right after it: the end's write takes it along
+                return
             transport.write(b"%x\r\n%b\r\n" % (len(block), block) if framed else block)
             if not self._first_sent:
                 self._first_sent = True
@@ -334,7 +344,15 @@ class SseRelay:
                 self.upstream.pause()
                 resuming.append(asyncio.ensure_future(resume_when_drained()))
 
+        kept = self._kept if self.keep else None
+
         def sink(data: bytes) -> None:
+            if not self._pending and data.endswith(EVENT_END) and PARAMS_MARK not in data:
+                # Whole events without D's params: a token's usual read, passed on as it came.
+                if kept is not None:
+                    kept.append(data)
+                write(data)
+                return
             block = self._whole_events(data)
             if block:
                 write(block)

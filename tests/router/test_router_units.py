@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bpdkv.render import render_topology
@@ -123,6 +123,7 @@ def _relay(raw: bytes, cuts: list[int], send_fails: bool = False) -> tuple[bytes
     return b"".join(sent), outcomes, closed
 
 
+@settings(deadline=None)  # an event loop per example: timing follows the machine's load
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=30))
 def test_relay_any_chunking(cuts: list[int]) -> None:
     events = [_sse({"id": "1", "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]}) for i in range(5)]
@@ -263,12 +264,16 @@ def test_input_shape_and_depth_checks() -> None:
 @given(st.lists(st.text(max_size=12), min_size=1, max_size=8), st.booleans(), st.booleans())
 def test_reply_fast_path_equals_full_parse(pieces: list[str], ascii_only: bool, chat: bool) -> None:
     raw = b""
-    for piece in pieces:
+    for i, piece in enumerate(pieces):
+        finish = ("length" if ascii_only else "stop") if i == len(pieces) - 1 else None
         choice = (
-            {"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat else {"index": 0, "text": piece, "finish_reason": None}
+            {"index": 0, "delta": {"content": piece}, "finish_reason": finish}
+            if chat
+            else {"index": 0, "text": piece, "finish_reason": finish}
         )
         raw += b"data: " + json.dumps({"id": "1", "choices": [choice]}, ensure_ascii=ascii_only).encode() + b"\n\n"
     raw += b"data: [DONE]\n\n"
     fast = Reply.of(raw)
     full = Reply.of(raw.decode().split("\n"))
     assert fast.text == full.text == "".join(pieces) and fast.events == full.events == len(pieces)
+    assert fast.finish_reason == full.finish_reason == ("length" if ascii_only else "stop")
