@@ -390,6 +390,10 @@ class UpstreamClient:
     ) -> Answer:
         """A whole response; `timeout` bounds its first byte, `idle_s` (default: the same) every silence after it."""
         conn = await self._start(method.encode(), url, body, headers, timeout, timeout if idle_s is None else idle_s, "headers")
+        return await self._rest(conn)
+
+    async def _rest(self, conn: UpstreamConnection) -> Answer:
+        """The rest of a whole response; then the connection goes back to the pool or is dropped."""
         try:
             answer = await conn.whole()
         except BaseException:
@@ -407,16 +411,7 @@ class UpstreamClient:
         """D's streamed answer once its first body bytes arrived; a non-200 answer comes back whole."""
         conn = await self._start(b"POST", url, body, headers, first_byte_s, idle_s, until="body")
         if conn.status != 200:
-            try:
-                answer = await conn.whole()
-            except BaseException:
-                conn.abort()
-                raise
-            if conn.reusable():
-                self.release(conn)
-            else:
-                conn.abort()
-            return answer
+            return await self._rest(conn)
         return UpstreamStream(self, conn)
 
     async def close(self) -> None:

@@ -34,6 +34,21 @@ async def _serve(handler: Handler) -> tuple[asyncio.AbstractServer, str, list[in
     return server, f"http://127.0.0.1:{port}", accepted
 
 
+def _against(handler: Handler, scenario: Callable[[UpstreamClient, str, list[int]], Awaitable[None]]) -> None:
+    """scenario(client, server URL, accepted count) against a raw server; both closed afterwards."""
+
+    async def main() -> None:
+        server, url, accepted = await _serve(handler)
+        client = UpstreamClient(connect_timeout=2)
+        try:
+            await scenario(client, url, accepted)
+        finally:
+            await client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
     length = 0
@@ -53,20 +68,14 @@ def test_connection_closed_while_idle_is_replaced_not_failed() -> None:
         await writer.drain()
         # keep-alive announced, then the connection closes (an idle timeout on the server's side)
 
-    async def scenario() -> None:
-        server, url, accepted = await _serve(handler)
-        client = UpstreamClient(connect_timeout=2)
-        try:
-            first = await client.fetch("POST", url + "/x", b"{}", {}, 5)
-            await asyncio.sleep(0.1)  # the server's close reaches the idle connection
-            second = await client.fetch("POST", url + "/x", b"{}", {}, 5)
-            assert (first.status, first.content, second.content) == (200, b'{"n": 1}', b'{"n": 2}')
-            assert accepted[0] == 2
-        finally:
-            await client.close()
-            server.close()
+    async def scenario(client: UpstreamClient, url: str, accepted: list[int]) -> None:
+        first = await client.fetch("POST", url + "/x", b"{}", {}, 5)
+        await asyncio.sleep(0.1)  # the server's close reaches the idle connection
+        second = await client.fetch("POST", url + "/x", b"{}", {}, 5)
+        assert (first.status, first.content, second.content) == (200, b'{"n": 1}', b'{"n": 2}')
+        assert accepted[0] == 2
 
-    asyncio.run(scenario())
+    _against(handler, scenario)
 
 
 def test_keepalive_reuses_one_connection() -> None:
@@ -76,17 +85,11 @@ def test_keepalive_reuses_one_connection() -> None:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             await writer.drain()
 
-    async def scenario() -> None:
-        server, url, accepted = await _serve(handler)
-        client = UpstreamClient(connect_timeout=2)
-        try:
-            answers = [await client.fetch("GET", url + "/health", None, {}, 5) for _ in range(3)]
-            assert all(a == Answer(200, "application/json", b"ok") for a in answers) and accepted[0] == 1
-        finally:
-            await client.close()
-            server.close()
+    async def scenario(client: UpstreamClient, url: str, accepted: list[int]) -> None:
+        answers = [await client.fetch("GET", url + "/health", None, {}, 5) for _ in range(3)]
+        assert all(a == Answer(200, "application/json", b"ok") for a in answers) and accepted[0] == 1
 
-    asyncio.run(scenario())
+    _against(handler, scenario)
 
 
 def test_failures_are_typed_and_bounded() -> None:
@@ -104,46 +107,41 @@ def test_failures_are_typed_and_bounded() -> None:
             await writer.drain()
         # /closed: the connection closes without an answer
 
-    async def scenario() -> None:
-        server, url, _ = await _serve(handler)
-        client = UpstreamClient(connect_timeout=2)
-        outcomes: dict[str, str] = {}
-        try:
-            for path in ("/silent", "/cut", "/closed"):
-                t0 = time.monotonic()
-                try:
-                    await client.fetch("POST", url + path, b"{}", {}, 0.3)
-                    outcomes[path] = "answered"
-                except (UpstreamTimeout, ConnectionLost) as exc:
-                    outcomes[path] = type(exc).__name__
-                assert time.monotonic() - t0 < 2
-            stream = await client.open_stream(url + "/stall", b"{}", {}, 2, 0.3)
-            assert isinstance(stream, UpstreamStream) and stream.first == b"data: {}\n\n"
-            ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-            stream.attach(lambda data: None, ended.set_result)
-            error = await asyncio.wait_for(ended, 2)
-            outcomes["/stall"] = type(error).__name__
-            stream.close(False)
-            closed_port = socket.socket()
-            closed_port.bind(("127.0.0.1", 0))
-            port = closed_port.getsockname()[1]
-            closed_port.close()
-            try:
-                await client.fetch("GET", f"http://127.0.0.1:{port}/health", None, {}, 1)
-            except ConnectFailed:
-                outcomes["refused"] = "ConnectFailed"
-        finally:
-            await client.close()
-            server.close()
-        assert outcomes == {
-            "/silent": "UpstreamTimeout",
-            "/cut": "ConnectionLost",
-            "/closed": "ConnectionLost",
-            "/stall": "UpstreamTimeout",
-            "refused": "ConnectFailed",
-        }
+    outcomes: dict[str, str] = {}
 
-    asyncio.run(scenario())
+    async def scenario(client: UpstreamClient, url: str, accepted: list[int]) -> None:
+        for path in ("/silent", "/cut", "/closed"):
+            t0 = time.monotonic()
+            try:
+                await client.fetch("POST", url + path, b"{}", {}, 0.3)
+                outcomes[path] = "answered"
+            except (UpstreamTimeout, ConnectionLost) as exc:
+                outcomes[path] = type(exc).__name__
+            assert time.monotonic() - t0 < 2
+        stream = await client.open_stream(url + "/stall", b"{}", {}, 2, 0.3)
+        assert isinstance(stream, UpstreamStream) and stream.first == b"data: {}\n\n"
+        ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        stream.attach(lambda data: None, ended.set_result)
+        error = await asyncio.wait_for(ended, 2)
+        outcomes["/stall"] = type(error).__name__
+        stream.close(False)
+        closed_port = socket.socket()
+        closed_port.bind(("127.0.0.1", 0))
+        port = closed_port.getsockname()[1]
+        closed_port.close()
+        try:
+            await client.fetch("GET", f"http://127.0.0.1:{port}/health", None, {}, 1)
+        except ConnectFailed:
+            outcomes["refused"] = "ConnectFailed"
+
+    _against(handler, scenario)
+    assert outcomes == {
+        "/silent": "UpstreamTimeout",
+        "/cut": "ConnectionLost",
+        "/closed": "ConnectionLost",
+        "/stall": "UpstreamTimeout",
+        "refused": "ConnectFailed",
+    }
 
 
 def test_router_fleet_relays_on_the_direct_transport_path() -> None:
