@@ -7,6 +7,8 @@
 #   d: wait for it; fresh P/D/router; warm-up; the 4-minute reuse-off run at the same load
 #   e: (d) one change, on vs off, each on fresh servers: NixlConnector's cross-layer KV blocks (one NIXL descriptor
 #      per block for all layers instead of one per layer and K/V), P cache off (salted), reuse on, fresh prompts
+#      (session 4: vLLM 0.24 did not apply it, the descriptor count stayed the same)
+#   f: (d) block size 256 vs 128, each on fresh servers (run in session 4 as one command with the same lines)
 # Each call packs what it made under /tmp/res into $OUT/<step>.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 step=$1
@@ -57,6 +59,17 @@ case $step in
     $RUN restart || { pack; exit 1; }
     OUT=/tmp/res $RUN bench d-base-warmup $W --reuse on --prefill-cache off > /dev/null
     OUT=/tmp/res $RUN bench d-base $D --seed 6 | tail -n 25
+    pack
+    ;;
+  f)
+    BLOCK=256 $RUN restart && {
+      OUT=/tmp/res BLOCK=256 $RUN bench d2-b256-warmup $W --reuse on --prefill-cache off > /dev/null
+      OUT=/tmp/res BLOCK=256 $RUN bench d2-b256 $D --seed 7 | tail -n 14
+    }
+    $RUN restart && {
+      OUT=/tmp/res $RUN bench d2-b128-warmup $W --reuse on --prefill-cache off > /dev/null
+      OUT=/tmp/res $RUN bench d2-b128 $D --seed 8 | tail -n 14
+    }
     pack
     ;;
 esac
