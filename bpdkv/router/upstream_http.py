@@ -361,6 +361,8 @@ class UpstreamClient:
         origin, target = self._split(url)
         lines = [method, b" ", target, b" HTTP/1.1\r\nhost: ", origin.host_header, b"\r\n"]
         for name, value in headers.items():
+            if "\r" in value or "\n" in value:  # a value could otherwise start a header (or request) of its own
+                raise ValueError(f"upstream request header {name}: line break in its value")
             lines += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
         if body is not None:
             lines += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body]
