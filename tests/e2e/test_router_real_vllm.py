@@ -199,35 +199,44 @@ def test_reasoning_dropped_by_the_client_is_a_partial_hit_cut_by_the_connector(f
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Think it through first: which node holds the cache blocks after a turn, and for how long?"},
     ]
-    # Turn 1, streamed: the model thinks, then answers (both forced, so D's reply has a real reasoning part).
     thought = forced_reasoning("D keeps its blocks for the ttl, so P can pull them next turn.", "The decode node holds them.")
     headers = {contracts.P_CACHE_HEADER: contracts.SWITCH_OFF}  # P's own cache bypassed: what P pulls shows
-    first = ask(fleet.url, messages, True, headers=headers, max_tokens=120, **thought)
-    want = ask(fleet.ref.url, messages, False, max_tokens=120, return_token_ids=True, **thought)
-    assert seen(first) == seen(want) and first["message"].get("reasoning"), first
-    # D's KV holds turn 1's prompt and everything the model wrote, the thought included (all but the last token).
-    d_tokens = (want["prompt_ids"] + want["output_ids"])[:-1]
-
-    # Turn 2: the client sends the answer back without the thought, as most clients (and templates) do. The answer is
-    # not forced: wrong KV would show in it.
-    messages += [{"role": "assistant", "content": first["message"]["content"]}, {"role": "user", "content": "and after the ttl?"}]
+    # Answers after a thought are not forced: wrong KV would show in them (token for token).
     free = {"chat_template_kwargs": thought["chat_template_kwargs"], "max_tokens": 24, "return_token_ids": True}
-    outcomes = {o: fleet.router_metric("bpdkv_router_reuse_total", outcome=o) for o in ("hit", "partial")}
-    cuts = fleet.router_metric("bpdkv_router_pull_outcomes_total", outcome="cut")
-    before = fleet.pulled()
-    got = ask(fleet.url, messages, False, headers=headers, **free)
-    pulled = fleet.pulled() - before
-    want = ask(fleet.ref.url, messages, False, **free)
-    assert seen(got) == seen(want) and got["output_ids"] == want["output_ids"], f"{got} != reference {want}"
+    # First the client drops the thought from the history it sends back, as most clients do; then one keeps it, which
+    # this template (like most) does not render for past turns: either way the next prompt lacks the thought D's KV holds.
+    for keep in (False, True):
+        # A streamed turn: the model thinks, then answers (both forced, so D's reply has a real reasoning part).
+        first = ask(fleet.url, messages, True, headers=headers, max_tokens=120, **thought)
+        want = ask(fleet.ref.url, messages, False, max_tokens=120, return_token_ids=True, **thought)
+        assert seen(first) == seen(want) and first["message"].get("reasoning"), first
+        # D's KV holds that prompt and everything the model wrote, the thought included (all but the last token).
+        d_tokens = (want["prompt_ids"] + want["output_ids"])[:-1]
+        sent_back = first["message"] if keep else {"role": "assistant", "content": first["message"]["content"]}
+        messages += [sent_back, {"role": "user", "content": "and after the ttl?"}]
 
-    assert fleet.router_metric("bpdkv_router_reuse_total", outcome="partial") == outcomes["partial"] + 1
-    assert fleet.router_metric("bpdkv_router_reuse_total", outcome="hit") == outcomes["hit"]
-    assert fleet.router_metric("bpdkv_router_pull_outcomes_total", outcome="cut") == cuts + 1
-    # P pulled the blocks its prompt shares with D's KV, and nothing after them: the thought D holds was not read.
-    prompt = want["prompt_ids"]
-    shared = common_blocks(prompt[: len(prompt) - 1], d_tokens)
-    assert 0 < shared < len(d_tokens) - len(d_tokens) % BLOCK, (shared, len(d_tokens))
-    assert pulled == shared, (pulled, shared, len(d_tokens))
+        outcomes = {o: fleet.router_metric("bpdkv_router_reuse_total", outcome=o) for o in ("hit", "partial")}
+        cuts = fleet.router_metric("bpdkv_router_pull_outcomes_total", outcome="cut")
+        before = fleet.pulled()
+        got = ask(fleet.url, messages, False, headers=headers, **free)
+        pulled = fleet.pulled() - before
+        want = ask(fleet.ref.url, messages, False, **free)
+        assert seen(got) == seen(want) and got["output_ids"] == want["output_ids"], f"keep={keep}: {got} != reference {want}"
+        # P pulled the blocks its prompt shares with D's KV, and nothing after them: the thought D holds was not read.
+        prompt = want["prompt_ids"]
+        shared = common_blocks(prompt[: len(prompt) - 1], d_tokens)
+        assert 0 < shared < len(d_tokens) - len(d_tokens) % BLOCK, (keep, shared, len(d_tokens))
+        assert pulled == shared, (keep, pulled, shared, len(d_tokens))
+        assert fleet.router_metric("bpdkv_router_pull_outcomes_total", outcome="cut") == cuts + 1
+        hits = fleet.router_metric("bpdkv_router_reuse_total", outcome="hit") - outcomes["hit"]
+        partials = fleet.router_metric("bpdkv_router_reuse_total", outcome="partial") - outcomes["partial"]
+        if not keep:
+            assert (hits, partials) == (0, 1), "a dropped thought is a partial hit, never a hit"
+        else:
+            # The router cannot see whether the template renders a kept thought: it predicts a hit (sessions.py); what
+            # P really did is in the pull outcome (cut, above).
+            assert (hits, partials) == (1, 0)
+        messages += [got["message"], {"role": "user", "content": "Think again: and the prefill node?"}]
 
 
 def test_decode_restart_between_turns_is_invisible_to_the_client(fleet: Fleet) -> None:
