@@ -19,7 +19,7 @@ import pytest
 from bpdkv.deploy.connectors import CommandResult, ConnectorError
 from bpdkv.deploy.connectors.ssh import SshConnector, SshOptions
 from bpdkv.deploy.fleet import apply_plan, load_fleet, lock_owner, plan_fleet
-from bpdkv.deploy.runner import ApplyOptions, HostStatus
+from bpdkv.deploy.runner import ApplyOptions, HostStatus, Report
 from bpdkv.topology.model import Node
 from tests.hosts.conftest import bpdkv, topology_doc, write_topology
 
@@ -70,6 +70,17 @@ class FaultyConnector:
         self.inner.close()
 
 
+def apply_in_process(topo: Path, connect: Callable[[Node], Any], after: Callable[[], None] | None = None) -> Report:
+    """plan + apply of `topo` in this process through `connect` (a test connector on one host); `after` runs however it ends."""
+    fleet = load_fleet(str(topo))
+    try:
+        return apply_plan(fleet, plan_fleet(fleet, False, 3, connect), ApplyOptions(parallel=3, owner=lock_owner()))
+    finally:
+        fleet.close()
+        if after is not None:
+            after()
+
+
 STAGES = {
     "upload": ".env.bpdkv-new",
     "rename": "mv -f",
@@ -106,12 +117,7 @@ def test_fault_matrix_one_host_keeps_serving_and_rerun_converges(hosts, tmp_path
         inner = SshConnector(node, SshOptions())
         return FaultyConnector(inner, STAGES[stage], error) if node.name == "host2" else inner
 
-    fleet = load_fleet(str(topo))
-    try:
-        plan = plan_fleet(fleet, False, 3, connect)
-        report = apply_plan(fleet, plan, ApplyOptions(parallel=3, owner=lock_owner()))
-    finally:
-        fleet.close()
+    report = apply_in_process(topo, connect)
     outcome = report.outcomes["host2"]
     assert report.exit_code == 1 and outcome.status in (HostStatus.FAILED, HostStatus.ROLLED_BACK), report.to_json()
     assert f"injected at {stage}" in outcome.message
@@ -167,15 +173,10 @@ def test_sshd_killed_before_commit_is_dirty_then_repaired(hosts, tmp_path: Path)
     victim = hosts.hosts[1]
 
     def connect(node: Node) -> Any:
-        inner = SshConnector(node, SshOptions(command_timeout=20))
+        inner = SshConnector(node, SshOptions(command_timeout=60))
         return FaultyConnector(inner, "mv -f", RuntimeError("unused"), lambda: hosts.kill_host(victim)) if node.name == "host2" else inner
 
-    fleet = load_fleet(str(topo))
-    try:
-        report = apply_plan(fleet, plan_fleet(fleet, False, 3, connect), ApplyOptions(parallel=3, owner=lock_owner()))
-    finally:
-        fleet.close()
-        hosts.restart_host(victim)
+    report = apply_in_process(topo, connect, lambda: hosts.restart_host(victim))
     assert report.exit_code == 1 and report.outcomes["host2"].status in (HostStatus.FAILED, HostStatus.DIRTY), report.to_json()
     assert report.outcomes["host2"].status is not HostStatus.APPLIED
     # the next plan shows the unfinished host, and the lock the dead run could not release, naming its owner
@@ -321,17 +322,12 @@ def test_sshd_killed_during_the_commit_script_is_dirty_then_repaired(hosts, tmp_
         threading.Thread(target=kill_when_paused, daemon=True).start()
 
     def connect(node: Node) -> Any:
-        inner = SshConnector(node, SshOptions(command_timeout=20))
+        inner = SshConnector(node, SshOptions(command_timeout=60))
         if node.name != "host2":
             return inner
         return FaultyConnector(inner, 'touch "$B/.complete"', RuntimeError("unused"), start_killer, pause_after_first_rename)
 
-    fleet = load_fleet(str(topo))
-    try:
-        report = apply_plan(fleet, plan_fleet(fleet, False, 3, connect), ApplyOptions(parallel=3, owner=lock_owner()))
-    finally:
-        fleet.close()
-        hosts.restart_host(victim)
+    report = apply_in_process(topo, connect, lambda: hosts.restart_host(victim))
     assert paused.exists(), "the kill did not land inside the commit script"
     paused.unlink()
     # killed mid-rename: the env file is the new one, the unit file still the old one, and nothing could restore them
