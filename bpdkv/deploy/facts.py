@@ -160,7 +160,7 @@ class UnitStates(Fact[dict[str, str]]):
 
 
 DEPLOY_STATE_SCRIPT = r"""
-import base64, hashlib, json, os, subprocess, sys
+import base64, grp, hashlib, json, os, pwd, subprocess, sys
 req = json.loads(base64.b64decode(sys.argv[1]))
 def read(path):
     try:
@@ -183,8 +183,19 @@ for path in sorted(paths):
     if data is None:
         out["files"][path] = None
     else:
-        out["files"][path] = {"sha256": hashlib.sha256(data).hexdigest(), "mode": os.stat(path).st_mode & 0o7777,
+        st = os.stat(path)
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = str(st.st_gid)
+        out["files"][path] = {"sha256": hashlib.sha256(data).hexdigest(), "mode": st.st_mode & 0o7777, "group": group,
                               "content": base64.b64encode(data).decode() if len(data) < 262144 else None}
+out["user_groups"] = {}  # service users that read secret files -> their primary group (None: no such user)
+for user in req.get("readers", []):
+    try:
+        out["user_groups"][user] = grp.getgrgid(pwd.getpwnam(user).pw_gid).gr_name
+    except KeyError:
+        out["user_groups"][user] = None
 units = sorted(set(req["units"]) | set((out["manifest"] or {}).get("units", [])))
 if units:
     # One systemctl call for all units: each call costs a process start (over a second with some managers).
@@ -236,7 +247,7 @@ class DeployState(Fact[dict[str, Any]]):
 
     name = "deploy state"
 
-    def __init__(self, paths: Sequence[str], units: Sequence[str], venv: str) -> None:
+    def __init__(self, paths: Sequence[str], units: Sequence[str], venv: str, readers: Sequence[str] = ()) -> None:
         request = base64.b64encode(
             json.dumps(
                 {
@@ -247,6 +258,7 @@ class DeployState(Fact[dict[str, Any]]):
                     "wheelhouse": NODE_WHEELHOUSE,
                     "lock": LOCK_PATH,
                     "dirty": DIRTY_PATH,
+                    "readers": list(readers),
                 }
             ).encode()
         ).decode()
@@ -281,6 +293,7 @@ class HostFacts:
     memlock_kib: int | None = None  # None = unlimited
     hardware: dict[str, Any] = field(default_factory=dict)  # fact name → parsed value (bpdkv/deploy/hardware.py)
     debian: dict[str, bool] = field(default_factory=dict)  # Debian package → installed
+    user_groups: dict[str, str | None] = field(default_factory=dict)  # service user → primary group (None: no such user)
 
     def content(self, path: str) -> str | None:
         info = self.files.get(path)

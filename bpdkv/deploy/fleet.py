@@ -96,7 +96,9 @@ def _host_facts(topology: Topology, node: Node, artifacts: list[Artifact]) -> li
     mine = [a for a in artifacts if a.host == node.name]
     folders = sorted({a.path.rsplit("/", 1)[0] or "/" for a in mine} | {"/var/lib/bpdkv", "/etc/bpdkv"})
     return [
-        DeployState([a.path for a in mine], [a.unit for a in mine if a.unit], topology.vllm.venv),
+        DeployState(
+            [a.path for a in mine], [a.unit for a in mine if a.unit], topology.vllm.venv, sorted({a.reader for a in mine if a.reader})
+        ),
         DiskFree(folders),
         ListeningPorts(),
         MemlockLimit(),

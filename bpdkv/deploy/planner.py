@@ -280,7 +280,7 @@ def make_plan(
             drift = info is not None and recorded is not None and info["sha256"] != recorded
             if info is None:
                 action = "create"
-            elif info["sha256"] != want or info.get("mode") != art.mode:
+            elif info["sha256"] != want or info.get("mode") != art.mode or _wrong_group(f, art, info):
                 action = "update"
             else:
                 action = "none"
@@ -470,6 +470,11 @@ def host_operations(
     return out
 
 
+def _wrong_group(facts: HostFacts, art: Artifact, info: dict[str, Any]) -> bool:
+    """A secret file its service user must read, whose group is not (or no longer: vllm.user changed) that user's."""
+    return bool(art.reader) and "group" in info and art.reader in facts.user_groups and info["group"] != facts.user_groups[art.reader]
+
+
 def preflight_problems(
     node: Node, facts: HostFacts, artifacts: list[Artifact], plan: HostPlan, owner: str | None
 ) -> list[PreflightProblem]:
@@ -493,6 +498,11 @@ def preflight_problems(
         elif writes and space.free_bytes < need:
             problems.append(
                 PreflightProblem(node.name, "disk", f"{space.path}: {space.free_bytes} bytes free, need at least {need}; free space first")
+            )
+    for user in sorted({a.reader for a in artifacts if a.reader}):
+        if user in facts.user_groups and facts.user_groups[user] is None:
+            problems.append(
+                PreflightProblem(node.name, "user", f"user {user} (vllm.user) does not exist on this host; create it or change vllm.user")
             )
     starting = {u.port: u for u in plan.units if u.port is not None and u.action in ("start", "restart")}
     for listener in facts.listeners:

@@ -224,14 +224,32 @@ def test_a_non_root_service_reads_its_secrets_and_no_other_user_can(hosts, tmp_p
         assert as_daemon.returncode != 0 and "Permission denied" in as_daemon.stderr, (path, as_daemon.stdout)
     assert (hosts.hosts[2].fs / "etc/bpdkv/router-0.tls.crt").stat().st_mode & 0o777 == 0o644  # public
 
-    # A service user the host does not have: apply fails on that host in one line and leaves its files as they were.
+    # Another service user, nothing else changed: the unchanged secret files are planned again for their group.
+    doc["vllm"]["user"] = "daemon"
+    # P and D restart drained through the (fake) router, which records drains in a root-owned log it now cannot open.
+    hosts.exec(hosts.hosts[2], "touch /var/log/fake-router-admin.log && chmod 666 /var/log/fake-router-admin.log")
+    switched = json.loads(bpdkv("plan", str(write_topology(tmp_path / "t.yaml", doc)), "--output", "json").stdout)
+    updated = {(h["host"], f["path"]) for h in switched["hosts"] for f in h["files"] if f["action"] == "update"}
+    assert {(hosts.hosts[i].name, p) for i, p in readable} <= updated, updated
+    applied = bpdkv("apply", str(tmp_path / "t.yaml"), "-y")
+    assert applied.returncode == 0, applied.stdout[-3000:] + applied.stderr[-3000:]
+    for index, path in sorted(readable):
+        info = os.stat(hosts.hosts[index].fs / path.lstrip("/"))
+        assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, 1, 0o640), path  # root:daemon
+        as_nobody = hosts.exec(hosts.hosts[index], f"setpriv --reuid=nobody --regid=nogroup --clear-groups cat {path}")
+        assert as_nobody.returncode != 0 and "Permission denied" in as_nobody.stderr, path
+    assert bpdkv("plan", str(tmp_path / "t.yaml")).returncode == 0  # converged
+
+    # A service user the host does not have: refused before anything is written, one line per host.
     doc["vllm"]["user"] = "bpdkv-no-such-user"
-    doc["vllm"]["env"]["PLAIN_SETTING"] = "2"  # changes the env files, so they are written again
     before = {name: path.read_bytes() for name, path in _node_files(hosts)}
     failed = bpdkv("apply", str(write_topology(tmp_path / "t.yaml", doc)), "-y")
     assert failed.returncode == 1, failed.stdout[-2000:]
-    assert "user bpdkv-no-such-user (vllm.user) does not exist on this host" in failed.stdout + failed.stderr
+    said = sorted(line for line in failed.stderr.splitlines() if "does not exist" in line)
+    assert said == [
+        f"{h.name}: user: user bpdkv-no-such-user (vllm.user) does not exist on this host; create it or change vllm.user"
+        for h in hosts.hosts
+    ], failed.stderr
     assert "Traceback" not in failed.stderr
     after = {name: path.read_bytes() for name, path in _node_files(hosts)}
-    changed = {name for name in before.keys() | after.keys() if before.get(name) != after.get(name)}
-    assert not any(name.startswith("host1:/etc/") for name in changed), changed
+    assert {name for name in before.keys() | after.keys() if before.get(name) != after.get(name) and "/etc/" in name} == set()
