@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any
 
-from bpdkv.vllm_plugin import decide, digests, handshake, hold
+from bpdkv.vllm_plugin import decide, digests, fence, handshake, hold
 from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, require_supported
 
 require_supported()
@@ -35,6 +36,14 @@ COUNTERS = {
     "bpdkv_unverified_allowed": "Pulls allowed without digests (unverified_reuse=allow)",
     "bpdkv_expiring_refused": "Pulls refused: D's blocks expire too soon (computed locally instead)",
     **{f"bpdkv_hold_released_{r.value}": f"D: held requests released ({r.value})" for r in hold.ReleaseReason},
+    "bpdkv_pin_granted": "P: pulls fenced by a pin on D's hold",
+    "bpdkv_pin_refused": "P: pulls not made because D's hold was gone, expiring or pinned, or the pin went unanswered",
+    "bpdkv_pin_lapsed": "P: reads abandoned (computed locally) because the pin's lease ran out before the read was done",
+    "bpdkv_pin_wait_seconds": "P: seconds spent waiting for pin answers (divide by granted + refused for the mean)",
+    "bpdkv_fence_pins_granted": "D: pins granted on held requests",
+    "bpdkv_fence_pins_refused": "D: pins refused (hold gone, expiring, or pinned by another reader)",
+    "bpdkv_fence_deferred_releases": "D: releases that waited for a pinned hold or skipped it for another",
+    "bpdkv_fence_pins_lapsed": "D: pins whose lease ended before the hold was read",
 }
 # Last value wins (the scheduler reports them whenever they change).
 GAUGES = {
@@ -50,6 +59,21 @@ OUTCOME_COUNTER = {
     "unverified_allowed": "bpdkv_unverified_allowed",
     "expiring": "bpdkv_expiring_refused",
 }
+# What P reports to the router (bpdkv_pull_outcome) when the fence stops a pull.
+PIN_OUTCOME = {"gone": "released", "expiring": "expiring", "pinned": "pin_busy", "unanswered": "pin_unanswered"}
+UNFENCED_OUTCOME = "unfenced_refused"  # D's params name no fence (an older plugin on D) and the fence is required
+LAPSED_OUTCOME = "pin_lapsed"
+TEST_HOOKS_KEY = "bpdkv_test_hooks"  # extra config; never set in a deployment
+TEST_GATE_KEY = "bpdkv_test_wait_for"  # kv_transfer_params: a file P waits for after its pin (test hooks only)
+TEST_GATE_MAX = 120.0
+
+
+def _test_gate_open(params: dict[str, Any]) -> bool:
+    path = params.get(TEST_GATE_KEY)
+    if not isinstance(path, str):
+        return True
+    started = params.setdefault("_bpdkv_gate_since", time.monotonic())
+    return os.path.exists(path) or time.monotonic() - started > TEST_GATE_MAX
 
 
 class BpdkvStats(StatsBase):  # type: ignore[misc,valid-type]
@@ -135,11 +159,34 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._block_pool: Any = None
         self._reserve = 1
         self._report_hold()
+        # The read fence (fence.py). P: pins in flight, leases of granted pins, fenced params (stripped once read).
+        self._fence_mode = str(extra.get(fence.FENCE_MODE_KEY, "require"))
+        if self._fence_mode not in ("require", "off"):
+            raise ValueError(f"{fence.FENCE_MODE_KEY} must be require or off, got {self._fence_mode!r}")
+        self._pin_lease = float(extra.get(fence.PIN_LEASE_KEY, fence.DEFAULT_PIN_LEASE))
+        self._pin_answer_timeout = float(extra.get(fence.PIN_ANSWER_TIMEOUT_KEY, fence.DEFAULT_ANSWER_TIMEOUT))
+        self._read_budget = float(extra.get(fence.READ_BUDGET_KEY, fence.DEFAULT_READ_BUDGET))
+        port = extra.get(fence.FENCE_PORT_KEY)
+        self._fence_port = None if port is None else int(port)  # None: the NIXL side-channel port number, over UDP
+        self._recompute_threshold = int(extra.get("kv_recompute_threshold", 64))  # upstream's default
+        # Tests only: a request may name a file P waits for between its pin and its read (a release lands in between).
+        self._test_hooks = bool(extra.get(TEST_HOOKS_KEY, False))
+        self._fence: fence.FenceServer | None = None
+        self._fence_failed = False
+        self._pins_in_flight: dict[str, tuple[fence.PendingPin, int]] = {}  # request id → (pin, verified tokens)
+        self._leases: dict[str, tuple[float, float]] = {}  # request id → (post the READ by, lease end), P's clock
+        self._pulling: dict[str, dict[str, Any]] = {}  # request id → its params, stripped once the read is over
+        self._fence_reported: dict[str, int] = {}
+        self._read_leases: dict[str, tuple[float, float]] = {}  # worker: what the scheduler sent
+        if worker is not None and not fence.guard_reads(worker, self._read_leases):
+            log.warning("bpdkv fence: this vLLM's NIXL worker lacks the read hooks; leases are not checked at read time")
 
     # ---- P side ------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         params: Any = getattr(request, "kv_transfer_params", None)
         self._take_release_list(params)
+        rid = request.request_id
+        first_ask = False
         if decide.is_d_location(params) and not params.get("_bpdkv_checked"):
             prompt = list(request.prompt_token_ids or [])
             decision = decide.decide_pull(params, prompt, self._block_size, self._unverified_reuse, self._expiry_guard)
@@ -150,16 +197,128 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             counter = OUTCOME_COUNTER.get(decision.outcome)
             if counter:
                 self._stats.data[counter].append(1)
-            if decision.verified_tokens and decision.verified_tokens > num_computed_tokens:
-                self._stats.data["bpdkv_verified_tokens"].append(decision.verified_tokens - num_computed_tokens)
-            log.debug("bpdkv pull decision for %s: %s (%d tokens)", request.request_id, decision.outcome, decision.verified_tokens)
+            log.debug("bpdkv pull decision for %s: %s (%d tokens)", rid, decision.outcome, decision.verified_tokens)
+            if decide.is_d_location(params) and self._will_read(params, request, num_computed_tokens):
+                first_ask = self._ask_pin(rid, params, decision.verified_tokens)
+            if decide.is_d_location(params) and rid not in self._pins_in_flight:
+                self._count_verified(decision.verified_tokens, num_computed_tokens)
+        if rid in self._pins_in_flight:
+            pending, verified = self._pins_in_flight[rid]
+            answer = pending.poll(fence.FIRST_WAIT if first_ask else 0.0)
+            if answer is None:
+                return None, False  # vLLM asks again next step; the engine keeps stepping meanwhile
+            del self._pins_in_flight[rid]
+            self._settle_pin(rid, params, pending, answer, verified, num_computed_tokens)
+        if self._test_hooks and rid in self._leases and not _test_gate_open(params):
+            return None, False
+        lease = self._leases.get(rid)
+        if lease is not None and time.monotonic() > lease[0]:
+            # Not allocated in time (P short of blocks, or held up): too little of the lease is left to read safely.
+            log.warning("bpdkv: lease of the pin for %s ends too soon to read; computing locally", rid)
+            del self._leases[rid]
+            params.update(decide.strip_pull(params))
+            params[hold.PULL_OUTCOME_KEY] = LAPSED_OUTCOME
+            self._stats.data["bpdkv_pin_lapsed"].append(1)
+        if decide.is_d_location(params):
+            self._pulling[rid] = params
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if result and result[0] is not None:  # None: the connector is not ready yet, not a lack of blocks
             # Blocks it needs now: every token not in D's own cache, pulled ones included (they land in new blocks),
             # and a slot for the first output token.
             missing = max(int(getattr(request, "num_tokens", 0) or 0) - num_computed_tokens, 0)
-            self._asked[request.request_id] = math.ceil(missing / self._block_size) + 1
+            self._asked[rid] = math.ceil(missing / self._block_size) + 1
         return result
+
+    def _will_read(self, params: dict[str, Any], request: Any, num_computed_tokens: int) -> bool:
+        """Upstream reads only this many tokens past P's own cache and not under the threshold; otherwise it only
+        notifies D (no read), which needs no pin."""
+        prompt_tokens = int(getattr(request, "num_prompt_tokens", 0) or len(request.prompt_token_ids or []))
+        count = min(int(params.get("remote_num_tokens") or 0), prompt_tokens) - num_computed_tokens
+        return count > 0 and not (0 < self._recompute_threshold and count < self._recompute_threshold)
+
+    def _count_verified(self, verified_tokens: int, num_computed_tokens: int) -> None:
+        if verified_tokens and verified_tokens > num_computed_tokens:
+            self._stats.data["bpdkv_verified_tokens"].append(verified_tokens - num_computed_tokens)
+
+    # ---- the read fence (fence.py): P pins D's hold before reading it ------------------------------------
+    def _ask_pin(self, rid: str, params: dict[str, Any], verified_tokens: int) -> bool:
+        """Start a pin for a pull P decided to make; True when a pin is now in flight."""
+        if self._fence_mode == "off":
+            return False
+        endpoint = fence.parse_endpoint(params.get(fence.FENCE_KEY))
+        if endpoint is None:
+            params.update(decide.strip_pull(params))
+            params[hold.PULL_OUTCOME_KEY] = UNFENCED_OUTCOME
+            self._stats.data["bpdkv_pin_refused"].append(1)
+            return False
+        self._pins_in_flight[rid] = (
+            fence.PendingPin(endpoint, str(params.get("remote_request_id")), self._pin_answer_timeout),
+            verified_tokens,
+        )
+        return True
+
+    def _settle_pin(
+        self, rid: str, params: dict[str, Any], pending: fence.PendingPin, answer: fence.PinAnswer, verified: int, computed: int
+    ) -> None:
+        self._stats.data["bpdkv_pin_wait_seconds"].append(time.monotonic() - pending.first_sent)
+        if answer.lease_end is None:
+            log.info("bpdkv: pin on %s refused (%s): computing locally", params.get("remote_request_id"), answer.refused)
+            params.update(decide.strip_pull(params))
+            params[hold.PULL_OUTCOME_KEY] = PIN_OUTCOME.get(answer.refused or "gone", "released")
+            self._stats.data["bpdkv_pin_refused"].append(1)
+            return
+        lease = answer.lease_end - pending.first_sent
+        post_by = answer.lease_end - min(self._read_budget, lease / 2)
+        self._leases[rid] = (post_by, answer.lease_end)
+        self._stats.data["bpdkv_pin_granted"].append(1)
+        self._count_verified(verified, computed)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata() if hasattr(self, "_get_connector_metadata") else None
+        self._read_leases.update(getattr(meta, "bpdkv_read_leases", None) or {})
+        super().start_load_kv(forward_context, **kwargs)
+
+    def _answer_pin(self, remote_request_id: str, token: str) -> float | str:
+        """D, fence thread: the ledger decides under its lock."""
+        answer = self._ledger.pin(remote_request_id, token, time.monotonic(), self._pin_lease)
+        if isinstance(answer, hold.PinGrant):
+            return self._pin_lease
+        return answer.value
+
+    def _fence_endpoint(self) -> str | None:
+        """D: the fence's endpoint, started on the first hold (P instances never start one). By default UDP on the
+        NIXL side-channel port number: unique per engine on a host like that port, and open wherever it is (for TCP)."""
+        if self._fence is None and not self._fence_failed and self._fence_mode != "off":
+            sched = getattr(self, "connector_scheduler", None)
+            host = str(getattr(sched, "side_channel_host", None) or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"))
+            port = self._fence_port if self._fence_port is not None else int(getattr(sched, "side_channel_port", 0) or 0)
+            try:
+                self._fence = fence.FenceServer(host, port, self._answer_pin)
+                log.info("bpdkv fence listening on udp %s (pin lease %.1f s)", self._fence.endpoint, self._pin_lease)
+            except OSError as exc:
+                self._fence_failed = True  # P refuses unfenced params: no reuse from this D, but never a wrong read
+                log.error("bpdkv fence could not listen on udp %s:%d (%s): P will not pull from this D", host, port, exc)
+        return self._fence.endpoint if self._fence is not None else None
+
+    def _report_fence(self) -> None:
+        """D: the fence thread counts in the ledger; its counters reach the metrics from the scheduler thread."""
+        now = {
+            "bpdkv_fence_pins_granted": self._ledger.pins_granted,
+            "bpdkv_fence_pins_refused": sum(self._ledger.pins_refused.values()),
+            "bpdkv_fence_deferred_releases": self._ledger.deferred_releases,
+            "bpdkv_fence_pins_lapsed": self._ledger.pins_lapsed,
+        }
+        for key, value in now.items():
+            delta = value - self._fence_reported.get(key, 0)
+            if delta:
+                self._stats.data[key].append(delta)
+                self._fence_reported[key] = value
+
+    def shutdown(self) -> None:
+        if self._fence is not None:
+            self._fence.stop()
+            self._fence = None
+        super().shutdown()
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
         self._asked.pop(request.request_id, None)  # it got its blocks
@@ -193,6 +352,9 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         params[decide.EXPIRES_AT_KEY] = time.time() + self._ttl
         params[decide.EXPIRES_IN_KEY] = self._ttl
         if delay:
+            endpoint = self._fence_endpoint()
+            if endpoint is not None:
+                params[fence.FENCE_KEY] = endpoint
             groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else [block_ids or []]
             blocks = sum(len(g) for g in groups)
             held = hold.Hold(request.request_id, blocks, n, time.monotonic() + self._ttl)
@@ -229,12 +391,20 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         not_processed.add(request_id)  # the worker forgets it instead of waiting for a pull
         return True
 
+    def _forget(self, request_id: str) -> None:
+        self._asked.pop(request_id, None)
+        self._leases.pop(request_id, None)
+        self._pulling.pop(request_id, None)
+        pending = self._pins_in_flight.pop(request_id, None)
+        if pending is not None:
+            pending[0].close()
+
     def request_finished(self, request: Any, block_ids: Any) -> Any:
-        self._asked.pop(request.request_id, None)
+        self._forget(request.request_id)
         return self._annotate(request, super().request_finished(request, block_ids), block_ids)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
-        self._asked.pop(request.request_id, None)
+        self._forget(request.request_id)
         return self._annotate(request, super().request_finished_all_groups(request, block_ids), block_ids)
 
     # ---- D: the hold budget, applied every scheduler step ---------------------------------------------------
@@ -264,9 +434,20 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
+        released = self._ledger.tick(time.monotonic())  # pins that ended: releases that waited for them go now
+        if released:
+            self._to_release += released
+            self._report_hold()
+        self._report_fence()
         self._relieve_pressure()
+        to_recv = getattr(meta, "reqs_to_recv", None)
+        if self._leases and isinstance(to_recv, dict):
+            leases = {rid: self._leases.pop(rid) for rid in to_recv if rid in self._leases}
+            if leases:
+                meta.bpdkv_read_leases = leases  # P's workers check them at read time
         if self._to_release and isinstance(getattr(meta, "reqs_to_send", None), dict):
             # A deadline long past: the worker frees these blocks at its next check, like an ended TTL.
+            log.debug("bpdkv: freeing held request(s) %s", self._to_release)
             for rid in self._to_release:
                 meta.reqs_to_send[rid] = 0.0
             self._to_release = []
@@ -296,6 +477,16 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            params = self._pulling.pop(rid, None)
+            if params is not None:
+                # D's blocks are read once (P's notification frees them, the pin is spent): if vLLM recomputes this
+                # request (a failed or lapsed read, kv_load_failure_policy=recompute), it must compute, not pull again
+                # (upstream would wait for a read that never comes).
+                params.update(decide.strip_pull(params))
+                if rid in failed:
+                    params[hold.PULL_OUTCOME_KEY] = LAPSED_OUTCOME
         now = time.monotonic()
         changed = False
         for rid in getattr(connector_output, "finished_sending", None) or ():

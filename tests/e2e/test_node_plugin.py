@@ -6,6 +6,7 @@ import json
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -122,7 +123,8 @@ def reference(server_factory: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pd(server_factory: Any, reference: dict[str, Any]) -> Any:
-    p, d = server_factory(("prefill", "kv_producer"), ("decode", "kv_consumer"))
+    # Test hooks on: a fence test may make P wait between its pin and its read (nothing else changes).
+    p, d = server_factory(("prefill", "kv_producer"), ("decode", "kv_consumer"), extra={"bpdkv_test_hooks": True})
     MEASURED["start_s_prefill"] = round(p.ready_after or 0, 1)
     MEASURED["start_s_decode"] = round(d.ready_after or 0, 1)
     MEASURED["rss_mb_prefill_after_start"] = round(p.rss_mb())
@@ -242,15 +244,23 @@ def token_turn(
     p_url: str, d_url: str, prompt: list[int], d_params: dict[str, Any] | None, max_tokens: int, d_extra: dict[str, Any] | None = None
 ) -> tuple[list[int], dict[str, Any]]:
     """One token-id turn, P's cache salted (every turn pulls what D verified); d_extra goes into D's kv_transfer_params."""
+    new, _, d_answer = token_turn_with_p(p_url, d_url, prompt, d_params, max_tokens, d_extra)
+    return new, d_answer
+
+
+def token_turn_with_p(
+    p_url: str, d_url: str, prompt: list[int], d_params: dict[str, Any] | None, max_tokens: int, d_extra: dict[str, Any] | None = None
+) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+    """token_turn that also returns P's answer params (they carry P's bpdkv_pull_outcome)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params=d_params or dict(TEMPLATE), cache_salt=f"s-{uuid.uuid4()}")
-    p_resp = httpx.post(p_url + COMPLETIONS, json=p_body, timeout=120)
+    p_resp = httpx.post(p_url + COMPLETIONS, json=p_body, timeout=180)
     p_resp.raise_for_status()
-    p_params = dict(p_resp.json()["kv_transfer_params"], **(d_extra or {}))
-    d_resp = httpx.post(d_url + COMPLETIONS, json=dict(body, kv_transfer_params=p_params), timeout=120)
+    p_answer = p_resp.json()["kv_transfer_params"]
+    d_resp = httpx.post(d_url + COMPLETIONS, json=dict(body, kv_transfer_params=dict(p_answer, **(d_extra or {}))), timeout=120)
     d_resp.raise_for_status()
     data = d_resp.json()
-    return list(data["choices"][0]["token_ids"]), data.get("kv_transfer_params") or {}
+    return list(data["choices"][0]["token_ids"]), p_answer, data.get("kv_transfer_params") or {}
 
 
 def d_hold_metrics(url: str) -> dict[str, float]:
@@ -267,7 +277,9 @@ def d_hold_metrics(url: str) -> dict[str, float]:
 def hold_d(server_factory: Any, pd: Any) -> Any:
     """A D with a tiny KV cache and a hold budget, next to the module's P (three servers with the module's D)."""
     (d,) = server_factory(
-        ("decode-hold", "kv_consumer"), extra={"bpdkv_hold_budget": HOLD_SHARE}, args=("--num-gpu-blocks-override", str(HOLD_D_BLOCKS))
+        ("decode-hold", "kv_consumer"),
+        extra={"bpdkv_hold_budget": HOLD_SHARE, "bpdkv_pin_lease": PIN_LEASE},
+        args=("--num-gpu-blocks-override", str(HOLD_D_BLOCKS)),
     )
     yield d
     d.stop()
@@ -331,6 +343,110 @@ def test_request_not_offered_again_is_not_held(pd: Any, hold_d: Any) -> None:
     assert not params.get("remote_block_ids"), params  # nothing to offer
     assert after["not_offered"] == before["not_offered"] + 1
     assert after["held_blocks"] <= before["held_blocks"]
+
+
+# ---- the read fence: a pull that starts while D releases the hold never reads released blocks -------------------------
+PIN_LEASE = 20.0  # hold_d's pin lease: P posts a fenced READ only within the first half of it
+PIN_SETTLE_S = 3.0  # a P request reaches its pin within this (it waits at the test gate after the pin)
+
+
+def fence_metrics(p_url: str, d_url: str) -> dict[str, float]:
+    p_text = httpx.get(p_url + "/metrics", timeout=30).text
+    d_text = httpx.get(d_url + "/metrics", timeout=30).text
+    out = {f"p_{n}": metric_value(p_text, f"vllm:bpdkv_pin_{n}_total") for n in ("granted", "refused", "lapsed")}
+    out["p_pin_wait_s"] = metric_value(p_text, "vllm:bpdkv_pin_wait_seconds_total")
+    out["p_external"] = metric_value(p_text, "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+    for n in ("pins_granted", "pins_refused", "deferred_releases", "pins_lapsed"):
+        out[f"d_{n}"] = metric_value(d_text, f"vllm:bpdkv_fence_{n}_total")
+    out["d_pulled"] = metric_value(d_text, "vllm:bpdkv_hold_released_pulled_total")
+    # upstream's own witness of a read of freed blocks: a read-done notification for a request D no longer holds
+    out["d_reads_after_free"] = metric_value(d_text, "vllm:nixl_num_notifications_after_expiry_total")
+    return out
+
+
+def release_on_d(d_url: str, request_id: str) -> None:
+    """What the router does when it will not offer a hold again: name it in the next request's params to D."""
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 1, "kv_transfer_params": {"bpdkv_release_request_ids": [request_id]}}
+    httpx.post(d_url + COMPLETIONS, json=body, timeout=120).raise_for_status()
+
+
+def reuse_d_blocks(d_url: str, salt: int) -> None:
+    """A request on D that needs more blocks than are free: freed blocks are written with other KV."""
+    completion_tokens(d_url, [(i * 59 + salt) % 1900 + 10 for i in range(700)], max_tokens=4)
+
+
+def first_turn(p_url: str, d_url: str, conversation: int, reference: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    prompt = held_prompt(conversation)
+    new, offer = token_turn(p_url, d_url, prompt, None, HELD_OUTPUT)
+    assert new == reference["held"][conversation][0]
+    assert offer.get("bpdkv_fence") and offer.get("remote_block_ids"), offer
+    return prompt + new + [20] * 8, offer
+
+
+def test_fence_refuses_a_pull_of_blocks_released_before_it(pd: Any, hold_d: Any, reference: dict[str, Any]) -> None:
+    """The router never learned of the release: P still gets D's params, its pin is refused, it computes locally."""
+    p, _ = pd
+    prompt, offer = first_turn(p.url, hold_d.url, 0, reference)
+    release_on_d(hold_d.url, offer["remote_request_id"])
+    reuse_d_blocks(hold_d.url, 1)
+    before = fence_metrics(p.url, hold_d.url)
+    new, p_answer, _ = token_turn_with_p(p.url, hold_d.url, prompt, offer, HELD_OUTPUT)
+    after = fence_metrics(p.url, hold_d.url)
+    assert new == reference["held"][0][1]
+    assert p_answer.get("bpdkv_pull_outcome") == "released", p_answer  # the router learns it
+    assert after["p_refused"] == before["p_refused"] + 1 and after["p_granted"] == before["p_granted"]
+    assert after["p_external"] == before["p_external"]  # nothing was read
+    assert after["d_pins_refused"] > before["d_pins_refused"]
+    assert after["d_reads_after_free"] == before["d_reads_after_free"] == 0
+
+
+def test_fence_defers_a_release_that_lands_between_pin_and_read(pd: Any, hold_d: Any, reference: dict[str, Any], tmp_path: Any) -> None:
+    """P holds a pin, D is told to release the hold (and needs blocks): D frees it only after P's read."""
+    p, _ = pd
+    prompt, offer = first_turn(p.url, hold_d.url, 1, reference)
+    gate = tmp_path / "read-now"
+    before = fence_metrics(p.url, hold_d.url)
+    with ThreadPoolExecutor(1) as pool:
+        turn2 = pool.submit(token_turn_with_p, p.url, hold_d.url, prompt, dict(offer, bpdkv_test_wait_for=str(gate)), HELD_OUTPUT)
+        time.sleep(PIN_SETTLE_S)
+        release_on_d(hold_d.url, offer["remote_request_id"])
+        reuse_d_blocks(hold_d.url, 2)  # pressure: D would free the oldest holds, this one is pinned
+        pinned = fence_metrics(p.url, hold_d.url)
+        gate.touch()
+        new, p_answer, _ = turn2.result(timeout=180)
+    after = fence_metrics(p.url, hold_d.url)
+    MEASURED["fence_pin_wait_ms"] = round(1000 * (after["p_pin_wait_s"] - before["p_pin_wait_s"]), 2)
+    assert pinned["d_pins_granted"] == before["d_pins_granted"] + 1, (before, pinned)
+    assert pinned["d_deferred_releases"] > before["d_deferred_releases"], (before, pinned)
+    assert new == reference["held"][1][1]
+    assert p_answer.get("bpdkv_pull_outcome") == "verified", p_answer
+    assert after["p_granted"] == before["p_granted"] + 1 and after["p_external"] > before["p_external"]
+    assert after["d_reads_after_free"] == before["d_reads_after_free"] == 0
+
+
+def test_fence_read_after_the_lease_is_computed_locally(pd: Any, hold_d: Any, reference: dict[str, Any], tmp_path: Any) -> None:
+    """P's read is held up past its lease: D frees the blocks when the pin ends, P never posts the read (or never
+    uses it) and recomputes; the turn still equals the reference."""
+    p, _ = pd
+    prompt, offer = first_turn(p.url, hold_d.url, 2, reference)
+    gate = tmp_path / "read-late"
+    before = fence_metrics(p.url, hold_d.url)
+    with ThreadPoolExecutor(1) as pool:
+        turn2 = pool.submit(token_turn_with_p, p.url, hold_d.url, prompt, dict(offer, bpdkv_test_wait_for=str(gate)), HELD_OUTPUT)
+        time.sleep(PIN_SETTLE_S)
+        release_on_d(hold_d.url, offer["remote_request_id"])  # deferred: pinned
+        time.sleep(PIN_LEASE)  # the lease ends; D's next step frees the hold
+        reuse_d_blocks(hold_d.url, 3)
+        lapsed = fence_metrics(p.url, hold_d.url)
+        gate.touch()
+        new, p_answer, _ = turn2.result(timeout=180)
+    after = fence_metrics(p.url, hold_d.url)
+    assert lapsed["d_pins_lapsed"] > before["d_pins_lapsed"], (before, lapsed)
+    assert new == reference["held"][2][1]
+    assert p_answer.get("bpdkv_pull_outcome") == "pin_lapsed", p_answer
+    assert after["p_lapsed"] == before["p_lapsed"] + 1
+    assert after["p_external"] == before["p_external"]  # the late read was never posted
+    assert after["d_reads_after_free"] == before["d_reads_after_free"] == 0
 
 
 def test_upstream_connector_still_reuses_wrong_kv(server_factory: Any, pd: Any, reference: dict[str, Any]) -> None:

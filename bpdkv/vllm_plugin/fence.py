@@ -1,0 +1,277 @@
+"""The read fence between P and D: P pins D's held blocks before it reads them. Standard library only.
+
+Why: D may release a held request early (hold budget, pressure, the router's release list) while the router, not
+knowing yet, hands D's params to P. Without a fence P's READ lands on blocks D has given to another request; the token
+digests still match (they cover token ids, not block contents), so P would use wrong KV silently.
+
+Protocol (one UDP datagram each way, retransmitted; D's scheduler answers from its own thread, so an idle D answers too):
+- P → D: {"v": 1, "op": "pin", "id": D's request id, "token": P's random token}
+- D → P: {"v": 1, "token": ..., "pinned": lease seconds} or {"v": 1, "token": ..., "refused": "gone" | "expiring" | "pinned"}
+D grants a pin only while the hold is held and its TTL outlasts the lease; while pinned, D frees the blocks only after
+P's read-done notification (upstream's) or when the lease ends. P takes its lease to end `lease` seconds after it
+*first sent* the ask (D granted later, so D's lease ends later), posts the READ only while enough of the lease is left,
+and treats a read that completes after the lease as failed (local compute). A refused or unanswered pin is a local
+compute, the router learns it through `bpdkv_pull_outcome`.
+The endpoint travels in D's kv_transfer_params (`bpdkv_fence`, "host:port"); like NIXL's side channel it is
+unauthenticated and belongs on the private data-plane network. The worst a forged pin does is delay one release by a lease.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import secrets
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("vllm.bpdkv_plugin")
+
+# Wire key on D's returned kv_transfer_params: where D's fence listens ("host:port").
+FENCE_KEY = "bpdkv_fence"
+# kv_connector_extra_config keys
+FENCE_MODE_KEY = "bpdkv_fence"  # "require" (default): never read D blocks without a pin; "off": no fence (unsafe)
+FENCE_PORT_KEY = "bpdkv_fence_port"  # D: UDP port of the fence (unset: the side-channel port number; 0: any free port)
+PIN_LEASE_KEY = "bpdkv_pin_lease"  # D: seconds a pin protects a hold
+PIN_ANSWER_TIMEOUT_KEY = "bpdkv_pin_answer_timeout"  # P: give up on an unanswered pin after this (local compute)
+READ_BUDGET_KEY = "bpdkv_pin_read_budget"  # P: a READ is posted only while at least this much of the lease is left
+
+# Why 20 s: an 8k-token Qwen3-32B pull takes ~10 ms on NVLink and well under a second over EFA; the lease must outlast
+# the slowest transfer P still posts (READ_BUDGET) by a wide margin, and a lease only delays a release by its length
+# when a reader vanished mid-read. D refuses pins on holds whose TTL ends within the lease (the expiry guard's job).
+DEFAULT_PIN_LEASE = 20.0
+DEFAULT_READ_BUDGET = 10.0
+DEFAULT_ANSWER_TIMEOUT = 2.0
+FIRST_WAIT = 0.005  # P's scheduler waits this long for the answer in the call that asks (LAN round trip ≪ 1 ms)
+RESEND_EVERY = 0.05
+MAX_DATAGRAM = 2048
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class PinAnswer:
+    """What P learned: granted with a lease end on P's monotonic clock, or refused with D's reason."""
+
+    lease_end: float | None
+    refused: str | None = None  # gone | expiring | pinned | unanswered | bad_endpoint
+
+    @property
+    def granted(self) -> bool:
+        return self.lease_end is not None
+
+
+def ask_message(request_id: str, token: str) -> bytes:
+    return json.dumps({"v": VERSION, "op": "pin", "id": request_id, "token": token}).encode()
+
+
+def answer_message(token: str, lease: float | None, refused: str | None) -> bytes:
+    body: dict[str, object] = {"v": VERSION, "token": token}
+    if lease is not None:
+        body["pinned"] = lease
+    else:
+        body["refused"] = refused or "gone"
+    return json.dumps(body).encode()
+
+
+def parse(raw: bytes) -> dict[str, object] | None:
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        return None
+    return msg if isinstance(msg, dict) and msg.get("v") == VERSION and isinstance(msg.get("token"), str) else None
+
+
+def parse_endpoint(text: object) -> tuple[str, int] | None:
+    if not isinstance(text, str) or ":" not in text:
+        return None
+    host, _, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        return None
+    return (host.strip("[]"), number) if host and 0 < number < 65536 else None
+
+
+# A handler answers one pin: (request id, token) → lease seconds granted, or the refusal reason.
+PinHandler = Callable[[str, str], "float | str"]
+
+
+class FenceServer:
+    """D: answers pins from a daemon thread, independent of engine steps (an idle D's engine does not step)."""
+
+    def __init__(self, host: str, port: int, handler: PinHandler) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_DGRAM)
+        self._sock.bind((host, port))
+        self._sock.settimeout(1.0)  # the loop notices stop() within a second
+        self.host = host
+        self.port = int(self._sock.getsockname()[1])
+        self._handler = handler
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="bpdkv_fence", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                raw, peer = self._sock.recvfrom(MAX_DATAGRAM)
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            msg = parse(raw)
+            if msg is None or msg.get("op") != "pin" or not isinstance(msg.get("id"), str):
+                continue  # not ours (or a newer protocol): no answer, P treats it as unanswered
+            token = str(msg["token"])
+            try:
+                result = self._handler(str(msg["id"]), token)
+            except Exception:  # noqa: BLE001 - a bug here must not kill the fence thread; refusing is always safe
+                log.exception("bpdkv fence: pin handler failed; refusing")
+                result = "gone"
+            lease = float(result) if isinstance(result, (int, float)) else None
+            reply = answer_message(token, lease, None if lease is not None else str(result))
+            try:
+                self._sock.sendto(reply, peer)
+            except OSError:
+                pass  # P resends its ask
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(timeout=2)
+
+
+class PendingPin:
+    """P: one pin in flight. `poll` never blocks longer than asked; the answer (or the give-up) is final."""
+
+    def __init__(self, endpoint: tuple[str, int], request_id: str, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.endpoint = endpoint
+        self.token = secrets.token_hex(8)
+        self._ask = ask_message(request_id, self.token)
+        family = socket.AF_INET6 if ":" in endpoint[0] else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self.first_sent = clock()  # the lease is counted from here: D can only have granted later
+        self._deadline = self.first_sent + timeout
+        self._last_sent = -1.0
+        self.answer: PinAnswer | None = None
+        self.round_trip: float | None = None
+        self._send()
+
+    def _send(self) -> None:
+        self._last_sent = self._clock()
+        try:
+            self._sock.sendto(self._ask, self.endpoint)
+        except OSError:
+            pass  # unreachable now; resent, then given up on at the deadline
+
+    def poll(self, wait: float = 0.0) -> PinAnswer | None:
+        """The answer, or None while it may still come (resending meanwhile); after the timeout: refused, unanswered."""
+        if self.answer is not None:
+            return self.answer
+        until = self._clock() + wait
+        while True:
+            now = self._clock()
+            if now >= self._deadline:
+                return self._settle(PinAnswer(None, "unanswered"))
+            if now - self._last_sent >= RESEND_EVERY:
+                self._send()
+            pause = max(min(until, self._deadline, self._last_sent + RESEND_EVERY) - now, 0.0)
+            readable, _, _ = select.select([self._sock], [], [], pause)
+            if readable:
+                try:
+                    msg = parse(self._sock.recv(MAX_DATAGRAM))
+                except OSError:
+                    msg = None  # e.g. ICMP port unreachable: resent until the deadline
+                if msg is not None and msg.get("token") == self.token:
+                    return self._finish(msg)
+            elif self._clock() >= until:
+                return None
+
+    def _finish(self, msg: dict[str, object]) -> PinAnswer:
+        self.round_trip = self._clock() - self.first_sent
+        lease = msg.get("pinned")
+        if isinstance(lease, (int, float)):
+            return self._settle(PinAnswer(self.first_sent + float(lease)))
+        return self._settle(PinAnswer(None, str(msg.get("refused") or "gone")))
+
+    def _settle(self, answer: PinAnswer) -> PinAnswer:
+        self.answer = answer
+        self._sock.close()
+        return answer
+
+    def close(self) -> None:
+        if self.answer is None:
+            self._settle(PinAnswer(None, "unanswered"))
+
+
+# ---- P's worker: the lease checked where the READ is posted and where it completes ----------------------------------
+# request id → (post the READ by, lease end), P's monotonic clock; written by the scheduler's metadata.
+ReadLeases = dict[str, tuple[float, float]]
+LAPSED_STAT = "bpdkv_pin_lapsed"
+
+
+def guard_reads(worker: Any, leases: ReadLeases, clock: Callable[[], float] = time.monotonic) -> bool:
+    """Wrap the NIXL worker so that a fenced READ is posted only while its lease has room, and a READ that completes
+    after its lease is reported failed (vLLM's load-failure path: never used). False when this vLLM lacks the hooks.
+    Found by feature: vLLM 0.32 reports failures as (done, failed) sets, 0.24 through a queue."""
+    read_for_req = getattr(worker, "_read_blocks_for_req", None)
+    pop_done = getattr(worker, "_pop_done_transfers", None)
+    failed = getattr(worker, "_handle_failed_transfer", None)
+    if not (callable(read_for_req) and callable(pop_done) and callable(failed)):
+        return False
+    sets_of_failures = "record_failed_transfer" in inspect.signature(failed).parameters
+
+    def fail(req_id: str, failed_ids: set[str] | None = None) -> None:
+        if sets_of_failures:
+            failed(req_id, None, worker._recv_failures if failed_ids is None else failed_ids, record_failed_transfer=False)
+        else:
+            failed(req_id, None)
+        stats = getattr(worker, "xfer_stats", None)
+        if stats is not None:
+            stats.data.setdefault(LAPSED_STAT, []).append(1)
+
+    def fenced_read(req_id: str, meta: Any) -> Any:
+        lease = leases.get(req_id)
+        if lease is not None and clock() > lease[0]:
+            leases.pop(req_id, None)
+            log.warning("bpdkv: lease of the pin for %s ends too soon to read; not reading (KV load failure)", req_id)
+            fail(req_id)
+            return None
+        return read_for_req(req_id, meta)
+
+    def fenced_pop(transfers: Any) -> Any:
+        result = pop_done(transfers)
+        done = result[0] if isinstance(result, tuple) else result
+        now = clock()
+        lapsed = set()
+        for req_id in done:
+            lease = leases.pop(req_id, None)
+            if lease is not None and now > lease[1]:
+                lapsed.add(req_id)
+        if not lapsed:
+            return result
+        log.warning("bpdkv: %d read(s) finished after the pin's lease; not used (KV load failure)", len(lapsed))
+        if isinstance(result, tuple):
+            for req_id in lapsed:
+                fail(req_id, result[1])
+            return done - lapsed, result[1]
+        for req_id in lapsed:
+            fail(req_id)  # 0.24: queued as failed, drained in this same get_finished
+        return done - lapsed
+
+    worker._read_blocks_for_req = fenced_read
+    worker._pop_done_transfers = fenced_pop
+    return True
