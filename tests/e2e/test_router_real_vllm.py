@@ -9,6 +9,7 @@ reference. Three servers, shared by the module; ~3 min on 2 cores."""
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,11 +187,7 @@ def test_tool_calling_conversation_reuses_decode_kv_and_equals_reference(fleet: 
 
 def common_blocks(a: list[int], b: list[int]) -> int:
     """Tokens in the whole blocks that two token sequences share from their start."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
+    n = len(os.path.commonprefix([a, b]))  # works on any sequences, token lists too
     return n - n % BLOCK
 
 
