@@ -69,11 +69,15 @@ TEST_GATE_MAX = 120.0
 
 
 def _test_gate_open(params: dict[str, Any]) -> bool:
+    """Tests only: P holds its pin and waits for the file `path`; `path.pinned` tells the test the pin is held."""
     path = params.get(TEST_GATE_KEY)
     if not isinstance(path, str):
         return True
-    started = params.setdefault("_bpdkv_gate_since", time.monotonic())
-    return os.path.exists(path) or time.monotonic() - started > TEST_GATE_MAX
+    if "_bpdkv_gate_since" not in params:
+        params["_bpdkv_gate_since"] = time.monotonic()
+        with open(path + ".pinned", "w"):
+            pass
+    return os.path.exists(path) or time.monotonic() - params["_bpdkv_gate_since"] > TEST_GATE_MAX
 
 
 class BpdkvStats(StatsBase):  # type: ignore[misc,valid-type]

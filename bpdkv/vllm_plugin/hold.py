@@ -98,6 +98,7 @@ class HoldLedger:
         self.pins_refused: dict[PinRefusal, int] = dict.fromkeys(PinRefusal, 0)
         self.deferred_releases = 0  # releases that waited for (or skipped) a pinned hold
         self.pins_lapsed = 0  # pins whose lease ended before the worker reported the hold freed
+        self._due: list[str] = []  # releases that waited for a pin which has ended: for the worker, at the next tick
         # The fence answers pins from its own thread; every method below runs under this lock.
         self._lock = threading.RLock()
 
@@ -202,11 +203,13 @@ class HoldLedger:
         """Every scheduler step: end lapsed pins; returns the holds to free now (releases that waited for a pin, and
         what the budget needs once pins no longer protect them)."""
         with self._lock:
-            out = self._lapse_pins(now)
-            return out + self._enforce_budget()
+            self._lapse_pins(now)
+            due, self._due = self._due, []
+            return due + self._enforce_budget()
 
-    def _lapse_pins(self, now: float) -> list[str]:
-        out = []
+    def _lapse_pins(self, now: float) -> None:
+        """End pins past their lease; a release that waited for one becomes due (handed out by the next tick, also
+        when a pin ask in the fence thread noticed the lapse first)."""
         for rid, pin in list(self._pins.items()):
             if pin.until <= now:
                 del self._pins[rid]
@@ -215,8 +218,7 @@ class HoldLedger:
                 if reason is not None and rid in self._held:
                     del self._held[rid]
                     self._releasing[rid] = reason  # announced when it was asked
-                    out.append(rid)
-        return out
+                    self._due.append(rid)
 
     def not_held(self) -> None:
         """A request the router will not offer again finished: its blocks were freed at once."""

@@ -8,7 +8,7 @@ import statistics
 import threading
 import time
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bpdkv.vllm_plugin import fence
@@ -81,6 +81,16 @@ def test_a_lapsed_pin_lets_the_waiting_release_go() -> None:
     assert ledger.take_announcements() == ["a"]  # announced once, when it was asked
 
 
+def test_a_lapse_noticed_by_a_pin_ask_is_still_handed_out() -> None:
+    ledger = HoldLedger(100)
+    ledger.hold(h("a", 2))
+    ledger.hold(h("b", 2))
+    ledger.pin("a", "t", 0.0, LEASE)
+    ledger.release("a", ReleaseReason.BUDGET)
+    assert isinstance(ledger.pin("b", "u", LEASE + 1, LEASE), PinGrant)  # the fence thread sees "a" lapse first
+    assert ledger.tick(LEASE + 2) == ["a"]  # the scheduler still tells the worker
+
+
 def test_a_lapsed_pin_restores_the_budget() -> None:
     ledger = HoldLedger(4)
     ledger.hold(h("a", 3))
@@ -105,6 +115,7 @@ OPS = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(budget=st.integers(0, 20), ops=OPS)
+@example(budget=10, ops=[("hold", 1, 0.0), ("pin", 1, 0.0), ("release", 1, 0.0), ("pin", 2, 25.0)])  # lapse seen by a pin ask
 def test_no_pinned_hold_is_ever_handed_to_the_worker_to_free(budget: int, ops: list[tuple[str, int, float]]) -> None:
     """Safety: whatever interleaving of holds, pins, releases, pressure and time, a hold under an active pin is never
     returned for freeing, and a freed hold is never pinned again. Liveness: every hold is released once."""
@@ -150,6 +161,8 @@ def test_no_pinned_hold_is_ever_handed_to_the_worker_to_free(budget: int, ops: l
         if rid in freed:
             assert ledger.pin(rid, "late", now, LEASE) is PinRefusal.GONE
     hand_over(ledger.tick(now + 10 * LEASE))  # every pin lapses
+    for rid in held - freed - to_free:
+        assert ledger.holds(rid), f"{rid} released but never handed to the worker"  # its blocks would be stuck
     for rid in held - freed:
         ledger.finished_sending(rid, now + 10 * LEASE)
     assert ledger.held_blocks == 0
