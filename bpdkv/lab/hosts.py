@@ -87,8 +87,9 @@ mkdir -m 755 /run/sshd
 for d in "$@"; do mkdir -p "$d"; mount --bind "$H/fs$d" "$d"; done
 mount --bind "$BPDKV_LAB/systemctl" /usr/bin/systemctl
 mount --bind "$BPDKV_LAB/journalctl" /usr/bin/journalctl
-# This machine's root shell rc files set up pyenv (~0.12 s of CPU per SSH command, since bash reads ~/.bashrc for
-# sshd's commands); a node's root shell does not: the hosts get an empty one, so they cost what a real node costs.
+# This machine's root shell rc files run `pyenv init` (~0.12 s of CPU per SSH command, since bash reads ~/.bashrc for
+# sshd's commands); a node's root shell does not. The hosts get a one-line rc instead: the same python3 first on PATH
+# (this machine's CPython, which the wheelhouses here are built for), without the per-command cost.
 for f in /root/.bashrc /root/.profile; do [ ! -f "$f" ] || mount --bind "$BPDKV_LAB/shellrc" "$f"; done
 exec /usr/bin/python3 "$BPDKV_LAB/init.py" /usr/sbin/sshd -D -e -f "$H/sshd_config"
 """
@@ -245,7 +246,7 @@ class TestHosts:
         assert replacement is not None
         (self.base / "systemctl").write_text("#!/usr/bin/python3\n" + replacement.read_text().split("\n", 1)[1])
         (self.base / "journalctl").write_text(JOURNALCTL)
-        (self.base / "shellrc").write_text("# test host: root's shell rc (empty, like a node's for non-interactive SSH)\n")
+        (self.base / "shellrc").write_text(f'# test host: root\'s shell rc\nexport PATH="{Path(sys.base_prefix) / "bin"}:$PATH"\n')
         for name in ("systemctl", "journalctl"):
             (self.base / name).chmod(0o755)
         self.known_hosts.write_text("")
