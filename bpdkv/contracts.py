@@ -59,6 +59,10 @@ REQUEST_ID_HEADER: Final = "x-request-id"
 REUSE_HEADER: Final = "x-bpdkv-reuse"  # value "off"
 P_CACHE_HEADER: Final = "x-bpdkv-prefill-cache"  # value "off"
 SWITCH_OFF: Final = "off"
+# Client hint: this is the conversation's last turn. It still reuses the previous turn's KV, but D holds nothing for
+# it and the router stores nothing (no later turn will pull), so D's hold budget stays free for live conversations.
+LAST_TURN_HEADER: Final = "x-bpdkv-last-turn"  # value "true" (or "1", "yes")
+LAST_TURN_VALUES: Final = frozenset({"true", "1", "yes"})
 
 # ---- router config (schemas/router.schema.json): keys written by render, read by the router --------------------------
 ROUTER_DEFAULTS: Final[dict[str, Any]] = {

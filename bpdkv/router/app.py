@@ -37,6 +37,7 @@ from bpdkv.router.turn import (
     NoUpstream,
     Passthrough,
     PdTurn,
+    Prefilled,
     usable_d_params,
 )
 from bpdkv.router.upstream_http import UpstreamClient
@@ -617,7 +618,6 @@ class Router:
         if request.headers.get(contracts.REUSE_HEADER, "").lower() != contracts.SWITCH_OFF:  # benchmark A/B on one fleet
             ident = sessions.identify(route, tenant, body, session_id, mode)
         entry, outcome = await self.lookup(ident)
-        self.metrics.child(self.metrics.reuse, outcome.value).inc()
         headers = self._upstream_headers(request)
         salt = uuid.uuid4().hex if request.headers.get(contracts.P_CACHE_HEADER, "").lower() == contracts.SWITCH_OFF else None
         prefilled = await self.turn.prefill(
@@ -629,11 +629,18 @@ class Router:
             headers,
             salt,
         )
+        if isinstance(prefilled, Prefilled):  # P's answer says what reuse this request really got
+            pulled = prefilled.params.get(contracts.PULL_OUTCOME) if prefilled.params else None
+            outcome = sessions.settle(outcome, pulled, prefilled.fell_back)
+        self.metrics.child(self.metrics.reuse, outcome.value).inc()
         if isinstance(prefilled, NoUpstream):
             return _error(502, prefilled.message, "upstream_error")
         if isinstance(prefilled, Passthrough):
             return _passthrough(prefilled.answer)
         stream = bool(body.get("stream"))
+        if ident is not None and request.headers.get(contracts.LAST_TURN_HEADER, "").lower() in contracts.LAST_TURN_VALUES:
+            self.metrics.last_turns.inc()
+            ident = None  # the client says no turn follows: nothing to store, nothing for D to hold
         hold = self.config.reuse and ident is not None  # else D need not keep this turn's blocks
         decoded = await self.turn.decode(route, body, prefilled.params, headers, stream, hold)
         if isinstance(decoded, NoUpstream):

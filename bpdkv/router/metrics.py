@@ -42,6 +42,9 @@ class RouterMetrics:
         self.pull_outcomes = Counter(
             "bpdkv_router_pull_outcomes", "What P's connector did with the D blocks offered (bpdkv plugin)", ["outcome"], registry=r
         )
+        self.last_turns = Counter(
+            "bpdkv_router_last_turns", "Turns the client marked last (X-Bpdkv-Last-Turn): not stored, D told not to hold", registry=r
+        )
         self.released = Counter("bpdkv_router_released_holds", "Held D blocks D announced it let go (never offered again)", registry=r)
         self.rejected = Counter("bpdkv_router_rejected", "Requests the router refused before any upstream saw them", ["reason"], registry=r)
         self.d_params_missing = Counter(

@@ -205,6 +205,34 @@ class Identity:
         return Reuse.HIT
 
 
+# What P's connector reports it did with the offered blocks (`bpdkv_pull_outcome`, bpdkv/vllm_plugin) → the reuse
+# this request really got. The router's lookup only predicts; a template that drops a kept thought, a hold D released,
+# an expiring lease all show only in P's answer.
+_PULL_SETTLES: dict[str, Reuse] = {
+    "cut": Reuse.PARTIAL,
+    "mismatch": Reuse.MISMATCH,
+    "expiring": Reuse.EXPIRED,
+    "pin_lapsed": Reuse.EXPIRED,
+    "released": Reuse.REFUSED,
+    "pin_busy": Reuse.REFUSED,
+    "pin_unanswered": Reuse.REFUSED,
+    "unfenced_refused": Reuse.REFUSED,
+    "unverified_refused": Reuse.REFUSED,
+}
+
+
+def settle(predicted: Reuse, pull_outcome: object, fell_back: bool) -> Reuse:
+    """The reuse outcome once P has answered: P failed with D's params (and ran without them) → refused; otherwise
+    what P's connector did with the blocks decides; a P that says nothing (no bpdkv plugin) leaves the prediction."""
+    if predicted not in (Reuse.HIT, Reuse.PARTIAL):
+        return predicted
+    if fell_back:
+        return Reuse.REFUSED
+    if isinstance(pull_outcome, str) and pull_outcome in _PULL_SETTLES:
+        return _PULL_SETTLES[pull_outcome]
+    return predicted
+
+
 def identify(route: str, tenant: str, body: dict[str, Any], session_id: str | None, mode: str) -> Identity | None:
     """The request's identity, or None when it is not eligible for reuse (n > 1, no usable history)."""
     if (body.get("n") or 1) != 1:

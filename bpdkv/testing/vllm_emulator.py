@@ -269,7 +269,9 @@ class VllmEmulator:
 
         # The engine finishes STOPPED or LENGTH_CAPPED; "tool_calls" is the API's name for a stop that called tools.
         if role in ("decode",) and isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and finish in ("stop", "length"):
-            out_params = self._hold_for_next_turn(tokens, output)
+            # As bpdkv's plugin: a turn the router will not offer again (bpdkv_hold: false) is not held at all.
+            if params.get(contracts.HOLD) is not False:
+                out_params = self._hold_for_next_turn(tokens, output)
         text = bytes(output).decode(errors="replace")
         stream = _lax_bool(body.get("stream"))
         reasoning: str | None = None

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bpdkv.router.relay import Reply
-from bpdkv.router.sessions import Reuse, identify, to_store
+from bpdkv.router.sessions import Reuse, identify, settle, to_store
 from bpdkv.testing.vllm_emulator import FABRIC, hermes_block, literal_regex
 from tests.router.helpers import SYSTEM, chat, conversation
 
@@ -87,7 +87,9 @@ def test_pull_failure_is_retried_without_d_params(fleet_factory, reference) -> N
     messages += [{"role": "assistant", "content": text2}, {"role": "user", "content": "third"}]
     text3, _ = chat(fleet.url, messages)
     assert text3 == chat(reference, messages)[0]
-    assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 2
+    # The failed pull's turn got no reuse and is counted so (refused), the next one a hit.
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="refused") == 1
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 1
 
 
 def test_sessions_of_an_unhealthy_decode_are_refused(fleet_factory, reference) -> None:  # type: ignore[no-untyped-def]
@@ -132,6 +134,25 @@ def test_concurrent_branches_of_one_history_each_answer_right(fleet_factory, ref
     assert got == [chat(reference, m)[0] for m in branches]
     assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 1  # single use: one branch pulls, the others compute
     assert fleet.prefill[0].counters.get("emulator_wrong_kv_tokens", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("predicted", "pulled", "fell_back", "settled"),
+    [
+        (Reuse.HIT, "verified", False, Reuse.HIT),
+        (Reuse.HIT, "cut", False, Reuse.PARTIAL),  # a kept thought the template does not render: P cut the pull
+        (Reuse.PARTIAL, "cut", False, Reuse.PARTIAL),
+        (Reuse.HIT, "released", False, Reuse.REFUSED),  # D's read fence: the hold was released
+        (Reuse.HIT, "pin_lapsed", False, Reuse.EXPIRED),
+        (Reuse.HIT, "expiring", False, Reuse.EXPIRED),
+        (Reuse.HIT, "mismatch", False, Reuse.MISMATCH),
+        (Reuse.HIT, None, True, Reuse.REFUSED),  # P failed with D's params and ran without them
+        (Reuse.HIT, None, False, Reuse.HIT),  # a P without the bpdkv plugin says nothing: the prediction stands
+        (Reuse.MISS, "cut", False, Reuse.MISS),  # nothing was offered: P's word cannot make it a reuse
+    ],
+)
+def test_reuse_outcome_settles_on_what_p_did(predicted: Reuse, pulled: str | None, fell_back: bool, settled: Reuse) -> None:
+    assert settle(predicted, pulled, fell_back) is settled
 
 
 def test_dropped_reasoning_is_a_partial_hit() -> None:
@@ -198,3 +219,27 @@ def test_turns_nobody_will_reuse_tell_decode_not_to_hold(fleet_factory) -> None:
     assert fleet.decode[0].requests[-1]["kv_transfer_params"][contracts.HOLD] is False
     chat(fleet.url, [{"role": "user", "content": "y"}])
     assert contracts.HOLD not in fleet.decode[0].requests[-1]["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_last_turn_reuses_but_leaves_nothing_held_or_stored(fleet_factory, reference, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """X-Bpdkv-Last-Turn: the turn still pulls the previous turn's KV; D holds nothing for it, the router stores nothing."""
+    from bpdkv import contracts
+
+    fleet = fleet_factory(p_settings={"prefix_caching": False})
+    d = fleet.decode[0]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+    text, _ = chat(fleet.url, messages, stream)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "last question"}]
+    held_before = set(d.held)
+    last, _ = chat(fleet.url, messages, stream, headers={"X-Bpdkv-Last-Turn": "true"})
+    assert last == chat(reference, messages, stream)[0]
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 1  # it pulled turn 1's KV
+    assert d.requests[-1]["kv_transfer_params"][contracts.HOLD] is False  # D was told not to hold this turn
+    assert not set(d.held) - held_before
+    assert fleet.metric("bpdkv_router_last_turns_total") == 1
+    # A client that goes on after all finds nothing stored for the last turn: a miss, computed, still right.
+    messages += [{"role": "assistant", "content": last}, {"role": "user", "content": "one more"}]
+    more, _ = chat(fleet.url, messages, stream)
+    assert more == chat(reference, messages, stream)[0]
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="miss") == 2
