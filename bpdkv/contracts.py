@@ -28,6 +28,7 @@ REMOTE_BLOCKS_EXPIRES_IN: Final = "remote_blocks_expires_in"  # seconds left whe
 BLOCK_DIGESTS: Final = "bpdkv_block_digests"  # chained per-block token digests of D's sequence (hex)
 BLOCK_SIZE: Final = "bpdkv_block_size"
 EXPIRES_AT: Final = "bpdkv_expires_at"  # D's wall clock (epoch s) when its blocks are freed
+FENCE: Final = "bpdkv_fence"  # "host:port" of D's read fence (UDP): P pins the hold there before reading (vllm_plugin/fence.py)
 # D's hold budget (node plugin, bpdkv/vllm_plugin/hold.py). D → router: ids of D requests whose held blocks D let go
 # since its previous answer (budget, pressure): never offer them to P again (their blocks may belong to others now).
 RELEASED_REQUEST_IDS: Final = "bpdkv_released_request_ids"

@@ -30,10 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bpdkv import contracts
+
 log = logging.getLogger("vllm.bpdkv_plugin")
 
 # Wire key on D's returned kv_transfer_params: where D's fence listens ("host:port").
-FENCE_KEY = "bpdkv_fence"
+FENCE_KEY = contracts.FENCE
 # kv_connector_extra_config keys
 FENCE_MODE_KEY = "bpdkv_fence"  # "require" (default): never read D blocks without a pin; "off": no fence (unsafe)
 FENCE_PORT_KEY = "bpdkv_fence_port"  # D: UDP port of the fence (unset: the side-channel port number; 0: any free port)
