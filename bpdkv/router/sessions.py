@@ -206,10 +206,11 @@ class Identity:
 
 
 # What P's connector reports it did with the offered blocks (`bpdkv_pull_outcome`, bpdkv/vllm_plugin) → the reuse
-# this request really got. The router's lookup only predicts; a template that drops a kept thought, a hold D released,
-# an expiring lease all show only in P's answer.
+# this request really got. The router's lookup only predicts; a hold D released, an expiring lease, blocks that did
+# not match at all show only in P's answer.
+# "cut" is not among them: P cuts at the end of most turns too (the re-rendered assistant message differs from D's
+# sampled tail in the last block), so a cut alone cannot tell a dropped thought from an ordinary hit.
 _PULL_SETTLES: dict[str, Reuse] = {
-    "cut": Reuse.PARTIAL,
     "mismatch": Reuse.MISMATCH,
     "expiring": Reuse.EXPIRED,
     "pin_lapsed": Reuse.EXPIRED,

@@ -168,7 +168,16 @@ class VllmEmulator:
         if problem is not None:
             return problem
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            # vLLM takes a batch of prompts; the emulator serves a batch of one and says so for more.
+            if len(prompt) != 1:
+                return vllm_error(400, "the emulator serves one prompt per request (batches are not emulated)", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            return vllm_error(400, "prompt token ids must be non-negative integers", "prompt")
         tokens = prompt if isinstance(prompt, list) else list(str(prompt).encode())
+        if not tokens:
+            return vllm_error(400, "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)", "prompt")
         return await self._serve(body, tokens, chat=False)
 
     def _validate_common(self, body: dict[str, Any]) -> Response | None:

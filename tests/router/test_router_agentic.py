@@ -140,7 +140,7 @@ def test_concurrent_branches_of_one_history_each_answer_right(fleet_factory, ref
     ("predicted", "pulled", "fell_back", "settled"),
     [
         (Reuse.HIT, "verified", False, Reuse.HIT),
-        (Reuse.HIT, "cut", False, Reuse.PARTIAL),  # a kept thought the template does not render: P cut the pull
+        (Reuse.HIT, "cut", False, Reuse.HIT),  # P cuts at most turns' tail too: a cut alone is no partial
         (Reuse.PARTIAL, "cut", False, Reuse.PARTIAL),
         (Reuse.HIT, "released", False, Reuse.REFUSED),  # D's read fence: the hold was released
         (Reuse.HIT, "pin_lapsed", False, Reuse.EXPIRED),
