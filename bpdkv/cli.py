@@ -707,6 +707,11 @@ def calibrate(
 @click.option("--duration", type=click.FloatRange(0, min_open=True), default=None, help="Sustained mode: minutes of load per mode.")
 @click.option("--think-median", default=2.0, show_default=True, type=click.FloatRange(0), help="Sustained: median tool latency (s).")
 @click.option("--think-sigma", default=1.0, show_default=True, type=click.FloatRange(0), help="Sustained: log-normal sigma of it.")
+@click.option(
+    "--mark-last-turn",
+    is_flag=True,
+    help="Send X-Bpdkv-Last-Turn on each conversation's final turn (D holds nothing for it, the router stores nothing).",
+)
 @click.option("--allow-warm", is_flag=True, help="Report modes whose prompts P already held instead of failing.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
 @click.option(
@@ -736,6 +741,7 @@ def bench(
     duration: float | None,
     think_median: float,
     think_sigma: float,
+    mark_last_turn: bool,
     allow_warm: bool,
     out_file: Path | None,
     plot_file: Path | None,
@@ -786,6 +792,7 @@ def bench(
         stream,
         seed,
         model=model,
+        mark_last_turn=mark_last_turn,
     )
     sustained = None if duration is None else SustainedSpec(duration * 60, ToolLatency(think_median, think_sigma))
     with Progress(transient=True) as bar:

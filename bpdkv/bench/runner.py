@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 
+from bpdkv import contracts
 from bpdkv.bench.workload import Conversation, WorkloadSpec
 from bpdkv.router.relay import sse_events
 
@@ -230,8 +231,11 @@ async def conversation_turns(
         body = conv.next_request(turn)
         history = conv.history_tokens
         started = time.perf_counter() - t0
+        sent = headers
+        if conv.spec.mark_last_turn and turn == conv.spec.turns - 1:
+            sent = {**headers, contracts.LAST_TURN_HEADER: "true"}
         try:
-            sample, text, ids = await one_request(session, url, body, headers, timeout)
+            sample, text, ids = await one_request(session, url, body, sent, timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             sample, text, ids = Sample(-1, -1, 0, None, None, 0.0, 0, type(exc).__name__), "", []
         sample.conversation, sample.turn, sample.history_tokens, sample.started = conv.index, turn, history, started

@@ -27,6 +27,9 @@ class WorkloadSpec:
     seed: int = 0
     vocab: int = 2000  # token ids drawn from [10, vocab)
     model: str | None = None
+    # Send X-Bpdkv-Last-Turn on each conversation's final turn (a client that knows no turn follows): D holds nothing
+    # for it and the router stores nothing. Off by default: an agent loop rarely knows its last turn in advance.
+    mark_last_turn: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

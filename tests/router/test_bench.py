@@ -108,3 +108,25 @@ def test_stages_are_means_per_request_and_per_pull() -> None:
     assert st["queue_ms"] is not None and abs(st["queue_ms"] - 100.0) < 1e-9
     assert st["pulls"] == 2 and abs((st["pull_ms"] or 0) - 25.0) < 1e-9 and st["pull_mb"] == 2000.0
     assert st["pull_descriptors"] == 128 and st["prefill_ms"] is None  # no prefill histogram in the text: not a zero
+
+
+def _router_counter(url: str, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_mark_last_turn_sends_the_header_on_each_final_turn_only(fleet_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fleet = fleet_factory(d_settings={"first_token_delay": 0.0})
+    common = ["bench", fleet.url, "--conversations", "3", "--turns", "3", "--system-tokens", "50", "--new-tokens", "20"]
+    common += ["--output-tokens", "4", "--concurrency", "3", "--reuse", "on"]
+    counter = "bpdkv_router_last_turns_total"
+    plain = CliRunner().invoke(main, [*common, "--seed", "1", "--out", str(tmp_path / "a.json")])
+    assert plain.exit_code == 0, plain.output
+    assert _router_counter(fleet.url, counter) == 0
+    marked = CliRunner().invoke(main, [*common, "--seed", "2", "--mark-last-turn", "--out", str(tmp_path / "b.json")])
+    assert marked.exit_code == 0, marked.output
+    assert _router_counter(fleet.url, counter) == 3  # one per conversation: turn 3 of 3
+    spec = json.loads((tmp_path / "b.json").read_text())["runs"][0]["spec"]
+    assert spec["mark_last_turn"] is True
