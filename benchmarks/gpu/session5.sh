@@ -1,0 +1,64 @@
+#!/bin/bash
+# GPU session 5 (2×H200, dummy Qwen3-32B): (c) again with the read fence, both modes 10 minutes, one device call per step,
+# issued back to back.
+#   a: stage part a of the vLLM wheel                           (carry .gpu-stage/s4a)
+#   b: the rest of the wheel + bpdkv (commit e182706) + orjson   (carry .gpu-stage/s5b), installed into /tmp/site
+#   c: vLLM's deps + NIXL (carry .gpu-stage/s4c); P (KV capped) + D + router; warm-up and the fence check (P's pins
+#      granted, D's fence listening, no "lacks the read hooks"); the 10-minute reuse-on run launched with setsid
+#   d: wait for it; fresh P/D/router; warm-up; the 10-minute reuse-off run at the same load, launched with setsid
+#   e: wait for it and collect
+# Each call packs what it made under /tmp/res into $OUT/<step>.tgz.
+set -uo pipefail
+step=$1
+OUT=${OUT:-/tmp/out}
+RUN="bash benchmarks/gpu/run-h200.sh"
+export MODEL_DIR=/tmp/qwen3-32b MODEL_NAME=qwen3-32b
+PIP="python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site"
+P_CAP="--num-gpu-blocks-override 800"   # P's KV: 800 × 128 = 102,400 tokens (as in session 4)
+W="--conversations 2 --turns 2 --system-tokens 500 --new-tokens 100 --output-tokens 10 --concurrency 2 --seed 99"
+# Session 4's load (16 conversations, 8 turns, 8.2k-11.3k prompts, think time median 8 s) with fresh prompts (seed 9)
+# and the client marking each conversation's last turn (X-Bpdkv-Last-Turn: D holds nothing for it).
+BC="--conversations 16 --turns 8 --system-tokens 2000 --start-history 6000 --new-tokens 150 --output-tokens 300 --concurrency 16 --think-median 8 --think-sigma 1 --prefill-cache on --seed 9 --mark-last-turn"
+pack() { mkdir -p "$OUT" /tmp/res; tar czf "$OUT/$step.tgz" -C /tmp/res . ; ls -la /tmp/res | tail -n 30; }
+fence_check() {
+  echo "== fence check ($1)"
+  grep -h "bpdkv fence\|lacks the read hooks\|bpdkv plugin\|hold budget" /tmp/prefill-0.log /tmp/decode-0.log | head -n 8
+  curl -s localhost:8100/metrics | grep -E "^vllm:bpdkv_(pin_|verified)" | grep -v _created
+  curl -s localhost:8200/metrics | grep -E "^vllm:bpdkv_(fence_|hold_released)" | grep -v _created
+}
+case $step in
+  a)
+    mkdir -p /tmp/stage && cp .gpu-stage/s4a/* /tmp/stage/ && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+    ;;
+  b)
+    cat /tmp/stage/vllm.part.a .gpu-stage/s5b/vllm.part.b > /tmp/stage/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    sha256sum /tmp/stage/vllm-0.24.0-*.whl .gpu-stage/s5b/bpdkv-*.whl
+    $PIP /tmp/stage/vllm-0.24.0-*.whl .gpu-stage/s5b/*.whl && echo "vllm + bpdkv installed"
+    ;;
+  c)
+    $PIP .gpu-stage/s4c/*.whl && echo "deps + nixl installed" || exit 1
+    OUT=/tmp/res P_ARGS=$P_CAP $RUN start || { pack; exit 1; }
+    OUT=/tmp/res $RUN bench bc-warmup-on $W --reuse on --prefill-cache on > /dev/null
+    fence_check "after the reuse-on warm-up" | tee /tmp/res/fence-check-on.txt
+    $RUN launch bc-on $BC --duration 10 --reuse on
+    while [ $SECONDS -lt 560 ]; do sleep 5; done
+    tail -n 3 /tmp/res/bc-on.launch.log; fence_check "reuse-on run, minute ~7"
+    pack
+    ;;
+  d)
+    OUT=/tmp/collected $RUN collect bc-on 240
+    fence_check "end of the reuse-on run" | tee /tmp/res/fence-check-on-end.txt
+    tail -n 25 /tmp/res/bc-on.txt
+    P_ARGS=$P_CAP $RUN restart || { pack; exit 1; }
+    OUT=/tmp/res $RUN bench bc-warmup-off $W --reuse off --prefill-cache on > /dev/null
+    $RUN launch bc-off $BC --duration 10 --reuse off
+    while [ $SECONDS -lt 560 ]; do sleep 5; done
+    tail -n 3 /tmp/res/bc-off.launch.log
+    pack
+    ;;
+  e)
+    OUT=/tmp/collected $RUN collect bc-off 330
+    tail -n 25 /tmp/res/bc-off.txt
+    pack
+    ;;
+esac
