@@ -33,6 +33,17 @@ log = logging.getLogger("bpdkv.router")
 WORKER_CONFIG_ENV = "BPDKV_ROUTER_WORKER_CONFIG"
 STOP_GRACE = 35.0  # uvicorn's graceful shutdown (30 s) plus a margin
 GC_YOUNG_THRESHOLD = 10_000
+HUP_IGNORED = "SIGHUP ignored: the router keeps serving with the config it started with (restart it to apply a new one)"
+
+
+def _ignore_hup() -> None:
+    """A stray SIGHUP (systemd `reload`, a closed terminal, a signal to the process group) would end the process by
+    default: every stream in flight cut, drained upstreams forgotten. The router re-reads nothing; it says so."""
+
+    def hup(*_: Any) -> None:
+        log.warning(HUP_IGNORED)
+
+    signal.signal(signal.SIGHUP, hup)
 
 
 def _logging(log_level: str) -> None:
@@ -71,6 +82,7 @@ def serve_one(config: RouterConfig, log_level: str, reuse_port: bool = False) ->
     # also walking what survived. Rarer, larger young collections cost less in all and leave fewer pauses in the
     # tail (the router's own process only; Router.start freezes what exists at start-up).
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
+    _ignore_hup()
     router = Router(config)
     uv_config = uvicorn.Config(
         router.app,
@@ -126,6 +138,7 @@ def _conf_port(conf: str) -> int:
 
 def supervise(config: RouterConfig, workers: int, log_level: str) -> int:
     """Start [redis-server,] N workers; return when one of them ends (its code) or on SIGTERM/SIGINT (0)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited through exec: no window before a worker logs its own
     redis_proc = _start_local_redis(config.local_redis_conf) if config.local_redis_conf else None
     env = dict(os.environ, **{WORKER_CONFIG_ENV: json.dumps(config_to_dict(config))})
     # One metrics directory per run (never a previous run's counters), shared by the workers so that /metrics on
@@ -146,6 +159,7 @@ def supervise(config: RouterConfig, workers: int, log_level: str) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    _ignore_hup()
     code = 0
     try:
         while not stopping:
