@@ -227,6 +227,7 @@ VOLATILE_KEYS = {
     c.REMOTE_ENGINE_ID,
     c.REMOTE_REQUEST_ID,
     c.REMOTE_PORT,
+    c.FENCE,  # "host:port" of D's read fence: the port is the run's
     c.REMOTE_BLOCKS_EXPIRY_TIME,
     c.REMOTE_BLOCKS_EXPIRES_IN,
     c.EXPIRES_AT,

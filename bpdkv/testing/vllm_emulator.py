@@ -363,6 +363,10 @@ class VllmEmulator:
         decode = FABRIC.get(str(params.get(contracts.REMOTE_ENGINE_ID)))
         held = decode.held.get(str(params.get(contracts.REMOTE_REQUEST_ID))) if decode else None
         now = time.perf_counter()
+        if plugin and params.get(contracts.FENCE) and (held is None or held.expires_at - now < DECLINE_WITHIN):
+            # The connector pins D's hold before reading (the read fence): a D that is gone leaves the pin
+            # unanswered, a live D refuses a hold it no longer keeps; either way P computes locally and says so.
+            return 0, None, "pin_unanswered" if decode is None else "released" if held is None else "expiring"
         if held is None or held.expires_at - now < DECLINE_WITHIN:
             self.count("nixl_num_kv_expired_reqs")
             if self.settings.kv_load_failure_policy == "fail":
@@ -423,6 +427,9 @@ class VllmEmulator:
             params[contracts.EXPIRES_AT] = time.time() + ttl
             params[contracts.BLOCK_SIZE] = self.settings.block_size
             params[contracts.BLOCK_DIGESTS] = digests.encode(digests.block_digests(seq, self.settings.block_size))
+            # Where P would pin the hold before reading (the plugin's UDP read fence); nothing listens: the emulated
+            # P does not pin, and the router passes the key through untouched.
+            params[contracts.FENCE] = "127.0.0.1:0"
         return params
 
     async def _stream(self, body: dict[str, Any], answer: Answer, chat: bool, params: dict[str, Any] | None):  # type: ignore[no-untyped-def]
