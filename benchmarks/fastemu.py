@@ -33,6 +33,23 @@ class Streams:
     def __init__(self, tokens: int, first: float, interval: float, tick: float) -> None:
         self.tokens, self.first, self.interval, self.tick = tokens, first, interval, tick
         self.active: list[list] = []  # [writer, start_time, sent, done_future, chat, params]
+        # The emulator shares the cores with what it measures: a token's chunk is encoded once, not per stream.
+        self.middle = {chat: self._chunk(chat, None, None) for chat in (False, True)}
+
+    @staticmethod
+    def _chunk(chat: bool, finish: str | None, params: dict | None) -> bytes:
+        choice = (
+            {"index": 0, "delta": {"content": "tok "}, "finish_reason": finish}
+            if chat
+            else {"index": 0, "text": "tok ", "finish_reason": finish}
+        )
+        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}
+        if params is not None:
+            chunk[c.KV_TRANSFER_PARAMS] = params
+        data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        if finish:
+            data += b"data: [DONE]\n\n"
+        return b"%x\r\n%s\r\n" % (len(data), data)
 
     async def ticker(self) -> None:
         while True:
@@ -45,19 +62,8 @@ class Streams:
                 due = min(due, self.tokens)
                 out = []
                 while sent < due:
-                    last = sent == self.tokens - 1
-                    choice = (
-                        {"index": 0, "delta": {"content": "tok "}, "finish_reason": "length" if last else None}
-                        if chat
-                        else {"index": 0, "text": "tok ", "finish_reason": "length" if last else None}
-                    )
-                    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}
-                    if last and params is not None:
-                        chunk[c.KV_TRANSFER_PARAMS] = params
-                    data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-                    if last:
-                        data += b"data: [DONE]\n\n"
-                    out.append(b"%x\r\n%s\r\n" % (len(data), data))
+                    last = sent == self.tokens - 1  # every token but the last is the same bytes
+                    out.append(self._chunk(chat, "length", params) if last else self.middle[chat])
                     sent += 1
                 s[2] = sent
                 if writer.is_closing():

@@ -116,6 +116,9 @@ SYSTEM = "You are a terse assistant answering benchmark questions. " * 4
 
 
 async def one_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> tuple[float, float, int]:
+    """One streamed request on a kept-alive connection: (TTFT, total seconds, content events). The chunked body is
+    parsed from whatever each socket read brought (one await per read, not two per chunk): the load generator
+    shares the cores with what it measures, so it must cost as little as it can — the same for every mode."""
     start = time.perf_counter()
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
@@ -126,22 +129,38 @@ async def one_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
     lower = head.lower()
     ttft = 0.0
+    if b"transfer-encoding: chunked" not in lower:
+        length = int(lower.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        data = await reader.readexactly(length)
+        return time.perf_counter() - start, time.perf_counter() - start, data.count(b'"content":"tok "')
     data = bytearray()
-    if b"transfer-encoding: chunked" in lower:
-        while True:
-            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-            if size == 0:
-                await reader.readuntil(b"\r\n")
+    buf = b""
+    at = 0  # where the next chunk's size line starts in buf
+    while True:
+        while True:  # every whole chunk in buf
+            eol = buf.find(b"\r\n", at)
+            if eol < 0:
                 break
-            chunk = await reader.readexactly(size + 2)
+            size = int(buf[at:eol].split(b";", 1)[0], 16)
+            if size == 0:
+                if len(buf) < eol + 4:
+                    break  # the final CRLF is still to come
+                if len(buf) > eol + 4:
+                    raise RuntimeError("bytes after the end of a chunked response")
+                return ttft, time.perf_counter() - start, data.count(b'"content":"tok "')
+            end = eol + 2 + size
+            if len(buf) < end + 2:
+                break
             if not ttft:
                 ttft = time.perf_counter() - start
-            data += chunk[:-2]
-    else:
-        length = int(lower.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-        data += await reader.readexactly(length)
-        ttft = time.perf_counter() - start
-    return ttft, time.perf_counter() - start, data.count(b'"content":"tok "')
+            data += buf[eol + 2 : end]
+            at = end + 2
+        buf = buf[at:]
+        at = 0
+        more = await reader.read(65536)
+        if not more:
+            raise asyncio.IncompleteReadError(buf, None)
+        buf += more
 
 
 async def client(port: int, deadline: float, measure_from: float, results: dict[str, Any], cid: int, turns: int) -> None:
@@ -187,12 +206,25 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_mode(mode: str, port: int, pid: int | None, c: int, args: argparse.Namespace) -> dict[str, Any]:
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def run_mode(mode: str, port: int, pid: int | None, emu_pid: int, c: int, args: argparse.Namespace) -> dict[str, Any]:
     cpu0 = cpu_seconds(pid) if pid else 0.0
+    emu0, own0, busy0 = cpu_seconds(emu_pid), time.process_time(), machine_busy()
     t0 = time.perf_counter()
+    if args.client_loop == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     results = asyncio.run(load(port, c, args.seconds, args.warmup, args.turns))
     elapsed = time.perf_counter() - t0
     cpu = (cpu_seconds(pid) - cpu0) if pid else None
+    busy1 = machine_busy()
     total_requests = results["done"]
     return {
         "mode": mode,
@@ -209,6 +241,14 @@ def run_mode(mode: str, port: int, pid: int | None, c: int, args: argparse.Names
         if cpu is None
         else 1000 * cpu / max(total_requests * (args.seconds + args.warmup) / args.seconds, 1),
         "router_rss_mb": None if pid is None else rss_bytes(pid) / 2**20,
+        # Cores in use over the run: the load generator (this process), the emulated P+D, the router, the machine
+        # (everything, other work included). A load generator near one core is itself a bottleneck.
+        "cores": {
+            "client": (time.process_time() - own0) / elapsed,
+            "emulator": (cpu_seconds(emu_pid) - emu0) / elapsed,
+            "router": None if cpu is None else cpu / elapsed,
+            "machine": (busy1[0] - busy0[0]) / max(busy1[1] - busy0[1], 1) * (os.cpu_count() or 1),
+        },
         "wall_s": elapsed,
     }
 
@@ -220,6 +260,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=1.5)
     ap.add_argument("--turns", type=int, default=6, help="turns per conversation before a new one starts")
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="path of the vllm-router binary (peer)")
+    ap.add_argument(
+        "--client-loop",
+        choices=["uvloop", "asyncio"],
+        default="uvloop",
+        help="the load generator's event loop (sessions 1-4 ran asyncio's; uvloop leaves more of the cores to the measured)",
+    )
     ap.add_argument("--modes", nargs="+", default=["direct", "bpdkv", "bpdkv-w2", "vllm-router"])
     ap.add_argument(
         "--profile",
@@ -299,7 +345,7 @@ def main() -> None:
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL,
                     )
-                res = run_mode(mode, port, pid or None, c, args)
+                res = run_mode(mode, port, pid or None, emu.popen.pid, c, args)
                 if spy is not None:
                     spy.wait(60)
                     res["profiled"] = True  # py-spy's sampling costs CPU: this row's CPU figures are not comparable

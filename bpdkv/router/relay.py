@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from starlette.types import Send
 
 from bpdkv import contracts
+from bpdkv.router import jsonbytes
 
 EVENT_END = b"\n\n"
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -56,14 +57,12 @@ class Reply:
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
     params: dict[str, Any] | None = None
-    events: int = 0
 
     @property
     def text(self) -> str:
         return "".join(self.content)
 
     def add_event(self, event: dict[str, Any]) -> None:
-        self.events += 1
         params = event.get(contracts.KV_TRANSFER_PARAMS)
         if isinstance(params, dict):
             self.params = params
@@ -138,7 +137,6 @@ class Reply:
             # Each value is a whole JSON string body, so their concatenation is one: a single decode.
             self.content.append(joined.decode() if b"\\" not in joined else json.loads(b'"' + joined + b'"'))
             self.finish_reason = _last_finish(raw)
-            self.events += raw.count(b"data: {") + raw.count(b"data:{")
             return
         for event in sse_events(raw):
             self.add_event(event)
@@ -164,7 +162,7 @@ def strip_params(events: bytes) -> tuple[bytes, dict[str, Any] | None]:
             out.append(event + EVENT_END)
             continue
         try:
-            data = json.loads(event[5:])
+            data = jsonbytes.loads(event[5:])
         except ValueError:
             out.append(event + EVENT_END)
             continue
@@ -181,7 +179,7 @@ def strip_params(events: bytes) -> tuple[bytes, dict[str, Any] | None]:
                     found = inner
         if not data.get("choices") and set(data) - {"choices"} <= {"id", "object", "created", "model"}:
             continue  # a chunk that only carried the params: the client never sees it
-        out.append(b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + EVENT_END)
+        out.append(b"data: " + jsonbytes.dumps(data) + EVENT_END)
     return b"".join(out), found
 
 
@@ -219,6 +217,23 @@ def _direct_cycle(send: Send) -> Any:
     return cycle
 
 
+class _HeadHold:
+    """The client's transport while uvicorn writes the response head: the head is kept, and goes out with D's first
+    events in one write (one system call here, one read at the client, instead of two each)."""
+
+    __slots__ = ("transport", "head")
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.head = b""
+
+    def write(self, data: bytes) -> None:
+        self.head += data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
 class SseRelay:
     """One streamed response: D's stream → the client. `close()` runs exactly once, whatever happened — client gone
     before the first byte, mid-stream, or a failing write — and hands the outcome to `on_close`.
@@ -246,6 +261,7 @@ class SseRelay:
         self._kept: list[bytes] = []
         self._pending = b""
         self._held = b""  # D's [DONE] event, written with the response's end (one write for both)
+        self._head = b""  # uvicorn's response head, written with D's first events (one write for both)
         self._first_sent = False
         self._out: list[bytes] = []  # blocks for the ASGI path
         self._wake: asyncio.Future[None] | None = None
@@ -284,18 +300,27 @@ class SseRelay:
         self._end = loop.create_future()
         completed = False
         error: str | None = None
+        start = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", self.content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
+        }
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", self.content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
-                }
-            )
             cycle = _direct_cycle(send)
             if cycle is not None:
+                hold = _HeadHold(cycle.transport)
+                cycle.transport = hold
+                try:
+                    await send(start)
+                finally:
+                    cycle.transport = hold.transport
+                self._head = hold.head
                 upstream_error = await self._relay_direct(cycle)
+                if self._head and self._client_error is None:  # no event went out: the head goes before the end
+                    cycle.transport.write(self._head)
+                    self._head = b""
             else:
+                await send(start)
                 upstream_error = await self._relay_asgi(send)
             if self._client_error is not None:
                 error = self._client_error
@@ -336,10 +361,14 @@ class SseRelay:
             if self._first_sent and block.endswith(DONE_EVENT):
                 self._held = block  # the stream ends right after it: the end's write takes it along
                 return
-            transport.write(b"%x\r\n%b\r\n" % (len(block), block) if framed else block)
+            data = b"%x\r\n%b\r\n" % (len(block), block) if framed else block
             if not self._first_sent:
                 self._first_sent = True
+                transport.write(self._head + data)  # the response head and D's first events: one write
+                self._head = b""
                 self.on_first_byte()
+            else:
+                transport.write(data)
             if flow.write_paused and not resuming:
                 self.upstream.pause()
                 resuming.append(asyncio.ensure_future(resume_when_drained()))
