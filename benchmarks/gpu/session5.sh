@@ -6,7 +6,7 @@
 #   c: vLLM's deps + NIXL (carry .gpu-stage/s4c); P (KV capped) + D + router; warm-up and the fence check (P's pins
 #      granted, D's fence listening, no "lacks the read hooks"); the 10-minute reuse-on run launched with setsid
 #   d: wait for it; fresh P/D/router; warm-up; the 10-minute reuse-off run at the same load, launched with setsid
-#   e: wait for it and collect
+#   e: wait for it and collect; then (a) again (P cache off, reuse on vs off, fresh servers each) in the time left
 # Each call packs what it made under /tmp/res into $OUT/<step>.tgz.
 set -uo pipefail
 step=$1
@@ -19,6 +19,8 @@ W="--conversations 2 --turns 2 --system-tokens 500 --new-tokens 100 --output-tok
 # Session 4's load (16 conversations, 8 turns, 8.2k-11.3k prompts, think time median 8 s) with fresh prompts (seed 9)
 # and the client marking each conversation's last turn (X-Bpdkv-Last-Turn: D holds nothing for it).
 BC="--conversations 16 --turns 8 --system-tokens 2000 --start-history 6000 --new-tokens 150 --output-tokens 300 --concurrency 16 --think-median 8 --think-sigma 1 --prefill-cache on --seed 9 --mark-last-turn"
+# (a): session 4's (d) workload (10 conversations, 5 turns, 8.2k-10.4k prompts, P cache off = salted)
+A="--conversations 10 --turns 5 --system-tokens 2000 --start-history 6000 --new-tokens 150 --output-tokens 150 --concurrency 10 --prefill-cache off"
 pack() { mkdir -p "$OUT" /tmp/res; tar czf "$OUT/$step.tgz" -C /tmp/res . ; ls -la /tmp/res | tail -n 30; }
 fence_check() {
   echo "== fence check ($1)"
@@ -59,6 +61,15 @@ case $step in
   e)
     OUT=/tmp/collected $RUN collect bc-off 330
     tail -n 25 /tmp/res/bc-off.txt
+    pack
+    # (a) again with the fenced plugin, with what device time is left: P cache off, reuse on vs off, fresh servers each
+    $RUN restart || exit 1
+    OUT=/tmp/res $RUN bench a-on-warmup $W --reuse on --prefill-cache off > /dev/null
+    OUT=/tmp/res $RUN bench a-on $A --reuse on --seed 11 | tail -n 12
+    pack
+    $RUN restart || exit 1
+    OUT=/tmp/res $RUN bench a-off-warmup $W --reuse off --prefill-cache off > /dev/null
+    OUT=/tmp/res $RUN bench a-off $A --reuse off --seed 11 | tail -n 12
     pack
     ;;
 esac
