@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import getpass
-import hashlib
 import json
 import os
 import shlex
@@ -35,7 +34,7 @@ from bpdkv.deploy.facts import (
     split_batch,
 )
 from bpdkv.deploy.inventory import Inventory, load_with_inventory, membership_change
-from bpdkv.deploy.planner import FileChange, HostPlan, Plan, UnitAction, empty_facts, facts_digest, make_plan
+from bpdkv.deploy.planner import FileChange, HostPlan, Plan, UnitAction, empty_facts, facts_digest, facts_parts, make_plan
 from bpdkv.deploy.runner import ApplyOptions, HostOutcome, HostStatus, PackageSource, Progress, Report, Runner, for_each_host
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact, render_topology, system_packages
@@ -171,18 +170,6 @@ def plan_fleet(
 
 
 # ---- saved plans -----------------------------------------------------------------------------------------------------
-
-
-def facts_parts(facts: HostFacts) -> dict[str, str]:
-    """Digest per kind of fact, so a refusal can say *what* changed on a host."""
-    parts = {
-        "manifest": facts.manifest,
-        "files": {p: (None if i is None else [i["sha256"], i.get("mode")]) for p, i in sorted(facts.files.items())},
-        "unit states": facts.units,
-        "installed versions": [facts.versions, facts.bpdkv_source],
-        "dirty marker": facts.dirty,
-    }
-    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16] for k, v in parts.items()}
 
 
 def save_plan(plan: Plan, fleet: Fleet, path: Path) -> None:

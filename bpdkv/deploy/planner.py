@@ -179,18 +179,24 @@ def generation_id(artifacts: list[Artifact]) -> str:
     return h.hexdigest()[:12]
 
 
-def facts_digest(facts: HostFacts) -> str:
-    """What a saved plan depends on; a lock or dirty marker appearing, a file or unit state changing → another digest."""
-    stable = {
+def facts_parts(facts: HostFacts) -> dict[str, str]:
+    """What a saved plan depends on, one digest per kind of fact, so a refusal can say *what* changed on a host: a
+    lock or dirty marker appearing, a file's content, mode or group, a unit state, a package, a service user's group."""
+    parts = {
         "manifest": facts.manifest,
-        "files": {p: (None if i is None else [i["sha256"], i.get("mode")]) for p, i in sorted(facts.files.items())},
-        "units": facts.units,
-        "versions": facts.versions,
-        "bpdkv_source": facts.bpdkv_source,
-        "dirty": facts.dirty,
-        "debian": facts.debian,
+        "files": {p: (None if i is None else [i["sha256"], i.get("mode"), i.get("group")]) for p, i in sorted(facts.files.items())},
+        "unit states": facts.units,
+        "installed versions": [facts.versions, facts.bpdkv_source],
+        "dirty marker": facts.dirty,
+        "system packages": facts.debian,
+        "service users": facts.user_groups,
     }
-    return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16] for k, v in parts.items()}
+
+
+def facts_digest(facts: HostFacts) -> str:
+    """One digest of facts_parts: a saved plan runs only while it is unchanged."""
+    return hashlib.sha256(json.dumps(facts_parts(facts), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def redact(text: str) -> str:
@@ -273,6 +279,7 @@ def make_plan(
         manifest_files: dict[str, str] = (f.manifest or {}).get("files", {}) if isinstance(f.manifest, dict) else {}
         changes: list[FileChange] = []
         changed_by_instance: dict[str, list[str]] = {}
+        reloaded_by_instance: dict[str, list[str]] = {}
         for art in sorted(mine, key=lambda a: a.path):
             info = f.files.get(art.path)
             want = hashlib.sha256(art.content.encode()).hexdigest()
@@ -286,8 +293,9 @@ def make_plan(
                 action = "none"
             diff = _diff(node.name, art.path, f.content(art.path), art.content, art.secret) if action == "update" else ""
             changes.append(FileChange(art.path, action, art.mode, art.instance, drift, diff))
-            if action != "none" and art.instance and not art.reloaded:  # a reloaded file (TLS pair) needs no restart
-                changed_by_instance.setdefault(art.instance, []).append(_kind(art.path))
+            if action != "none" and art.instance:  # a reloaded file (TLS pair) needs no restart: the instance re-reads it
+                by_instance = reloaded_by_instance if art.reloaded else changed_by_instance
+                by_instance.setdefault(art.instance, []).append(_kind(art.path))
         rendered = {a.path for a in mine}
         for path in sorted(manifest_files):
             if path not in rendered and path != MANIFEST_PATH:
@@ -314,6 +322,9 @@ def make_plan(
                 action, reason = ("restart" if state == "active" else "start"), f"repair: {repair}"
             elif state != "active":
                 action, reason = "start", f"not running ({state})"
+            elif art.instance in reloaded_by_instance:
+                kinds = ", ".join(sorted(set(reloaded_by_instance[art.instance])))
+                action, reason = "none", f"re-reads its changed {kinds} without a restart"
             else:
                 action, reason = "none", "up to date"
             if inst.role == "prefill" and action in ("restart", "start") and not new:
@@ -531,6 +542,10 @@ def _kind(path: str) -> str:
         return "launch script"
     if path.endswith(".router.yaml"):
         return "router config"
+    if path.endswith(".tls.crt"):
+        return "TLS certificate"
+    if path.endswith(".tls.key"):
+        return "TLS key"
     return path
 
 

@@ -137,6 +137,9 @@ def test_secret_values_only_in_0600_node_files(hosts, tmp_path: Path, monkeypatc
     ), changed
     actions = {u["instance"]: u["action"] for h in renewal["hosts"] for u in h["units"]}
     assert actions == {"prefill-0": "none", "decode-0": "none", "router-0": "none"}
+    reasons = {u["instance"]: u["reason"] for h in renewal["hosts"] for u in h["units"]}
+    assert reasons["router-0"] == "re-reads its changed TLS certificate, TLS key without a restart", reasons
+    assert reasons["prefill-0"] == "up to date"
 
     # A missing secret: one line naming the reference, exit 1, nothing changed on any host.
     monkeypatch.delenv("BPDKV_SCAN_HF")

@@ -250,3 +250,20 @@ def test_restore_after_a_commit_cut_off_mid_rename_leaves_unchanged_files_alone(
         assert first.read_text() == "A=old\n" and second.read_text() == "B=old\n"
         assert second.stat().st_ino == untouched  # equal to its backup: not replaced
         assert not list(etc.glob("*.bpdkv-old"))
+
+
+def test_saved_plan_depends_on_file_groups_service_users_and_packages() -> None:
+    from dataclasses import replace
+
+    from bpdkv.deploy.facts import HostFacts
+    from bpdkv.deploy.planner import facts_digest, facts_parts
+
+    key = "/etc/bpdkv/prefill-0.env"
+    base = HostFacts("h", True, None, None, {key: {"sha256": "a" * 64, "mode": 0o640, "group": "vllm"}}, {}, user_groups={"vllm": "vllm"})
+    regrouped = replace(base, files={key: {"sha256": "a" * 64, "mode": 0o640, "group": "root"}})
+    user_moved = replace(base, user_groups={"vllm": "staff"})
+    package_gone = replace(base, debian={"redis-server": False})
+    for changed, what in ((regrouped, "files"), (user_moved, "service users"), (package_gone, "system packages")):
+        assert facts_digest(changed) != facts_digest(base)
+        assert [k for k, v in facts_parts(changed).items() if facts_parts(base)[k] != v] == [what]
+    assert facts_digest(replace(base)) == facts_digest(base)
