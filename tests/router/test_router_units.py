@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bpdkv.render import render_topology
-from bpdkv.router.app import json_depth_exceeds, sanitize, shape_problem
+from bpdkv.router.app import DisconnectWatch, json_depth_exceeds, sanitize, shape_problem
 from bpdkv.router.config import RouterConfigError, config_from_dict, load_config
 from bpdkv.router.relay import RelayOutcome, Reply, SseRelay, strip_params
 from bpdkv.router.sessions import MemoryStore, SessionEntry, Verdict, chat_chain, scope_digest, token_chain
@@ -277,3 +281,34 @@ def test_reply_fast_path_equals_full_parse(pieces: list[str], ascii_only: bool, 
     full = Reply.of(raw.decode().split("\n"))
     assert fast.text == full.text == "".join(pieces)
     assert fast.finish_reason == full.finish_reason == ("length" if ascii_only else "stop")
+
+
+def test_disconnect_watch_leaves_no_reference_cycle() -> None:
+    """A stopped watcher is freed by reference counting alone: a cycle per request (the cancelled task's traceback
+    holding the watch, the watch holding the task) left each request's frames and uvicorn cycle to the cyclic GC,
+    whose pauses made the TTFT tail."""
+
+    async def scenario() -> None:
+        never = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        for _ in range(5):
+            watch = DisconnectWatch(receive, SimpleNamespace(done=False))  # type: ignore[arg-type]
+            watch.start()
+            await asyncio.sleep(0)
+            watch.stop()
+            await asyncio.sleep(0)
+        del watch
+        await asyncio.sleep(0)
+
+    gc.collect()
+    gc.disable()
+    try:
+        asyncio.run(scenario())
+        left = sum(1 for o in gc.get_objects() if type(o) is DisconnectWatch)
+    finally:
+        gc.enable()
+    assert left == 0
