@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,14 +19,9 @@ import yaml
 
 from bpdkv.router.config import local_redis_conf
 from bpdkv.router.server import HUP_IGNORED
+from bpdkv.testing.record_vllm import free_port
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
 from tests.router.helpers import SYSTEM, chat
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,7 @@ def slow_fleet() -> Iterator[list[str]]:
 
 
 def _start(tmp_path: Path, urls: list[str], workers: int) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = _free_port()
+    port = free_port()
     config: dict[str, Any] = {
         "listen": "127.0.0.1",
         "port": port,
@@ -50,7 +44,7 @@ def _start(tmp_path: Path, urls: list[str], workers: int) -> tuple[subprocess.Po
         "decode": [{"name": "decode-0", "url": urls[1]}],
     }
     if workers > 1:
-        redis_port = _free_port()
+        redis_port = free_port()
         conf = tmp_path / "redis.conf"
         conf.write_text(local_redis_conf("router-test", redis_port, str(tmp_path)))
         config.update(workers=workers, state=f"redis://127.0.0.1:{redis_port}/0", local_redis_conf=str(conf))
