@@ -41,7 +41,7 @@ from bpdkv.router.turn import (
     usable_d_params,
 )
 from bpdkv.router.upstream_http import UpstreamClient
-from bpdkv.router.upstreams import Pool, Upstream, check_all, health_loop
+from bpdkv.router.upstreams import Pool, Upstream, check_all, check_member, health_loop
 
 log = logging.getLogger("bpdkv.router")
 T = TypeVar("T")
@@ -438,6 +438,10 @@ class Router:
             # A drain usually brackets a restart: blocks D held before it are gone, the new engine is unknown yet.
             member.restarted_at = self.clock()
             member.ejected_until = 0.0
+            # A health check that ran while it restarted marked it unhealthy: check now, so that it serves as soon
+            # as it is undrained (not up to one health interval later) and the answer says its real state.
+            pool = self.prefill if member in self.prefill.members else self.decode
+            await check_member(pool, member, self._session(), timeout=min(self.config.health.interval or 5.0, 5.0))
         log.info("admin: %s %s (%s %s)", action, name, member.role, member.url)
         return JSONResponse(member.describe(time.monotonic()))
 

@@ -172,24 +172,27 @@ async def health_loop(pools: list[Pool], client: UpstreamClient, interval: float
             pass
 
 
-async def check_all(pools: list[Pool], client: UpstreamClient, timeout: float) -> None:
-    async def check(pool: Pool, member: Upstream) -> None:
-        try:
-            answer = await client.fetch("GET", member.url + "/health", None, {}, timeout)
-            ok = answer.status == 200
-            err = f"HTTP {answer.status}"
-        except UpstreamFailure as exc:
-            ok, err = False, type(exc).__name__
-        if ok and not member.healthy:
-            log.info("%s %s healthy again", pool.role, member.name)
-            member.restarted_at = time.time()  # it may have restarted: its old blocks are gone
-        if not ok and member.healthy:
-            log.warning("%s %s failed health check: %s", pool.role, member.name, err)
-        member.healthy = ok
-        if ok:
-            member.ejected_until = min(member.ejected_until, pool.clock())
-            member.ejections = 0
-        else:
-            member.last_error = err
+async def check_member(pool: Pool, member: Upstream, client: UpstreamClient, timeout: float) -> bool:
+    """GET /health on one member; its health follows the answer (True: healthy)."""
+    try:
+        answer = await client.fetch("GET", member.url + "/health", None, {}, timeout)
+        ok = answer.status == 200
+        err = f"HTTP {answer.status}"
+    except UpstreamFailure as exc:
+        ok, err = False, type(exc).__name__
+    if ok and not member.healthy:
+        log.info("%s %s healthy again", pool.role, member.name)
+        member.restarted_at = time.time()  # it may have restarted: its old blocks are gone
+    if not ok and member.healthy:
+        log.warning("%s %s failed health check: %s", pool.role, member.name, err)
+    member.healthy = ok
+    if ok:
+        member.ejected_until = min(member.ejected_until, pool.clock())
+        member.ejections = 0
+    else:
+        member.last_error = err
+    return ok
 
-    await asyncio.gather(*(check(p, m) for p in pools for m in p.members))
+
+async def check_all(pools: list[Pool], client: UpstreamClient, timeout: float) -> None:
+    await asyncio.gather(*(check_member(p, m, client, timeout) for p in pools for m in p.members))

@@ -57,6 +57,33 @@ def test_drain_stops_new_requests_and_waits_for_in_flight(fleet_factory) -> None
     assert httpx.post(fleet.url + "/admin/upstreams/nope/drain", timeout=10).status_code == 404
 
 
+def test_undrain_checks_health_at_once(fleet_factory) -> None:  # type: ignore[no-untyped-def]
+    """A health check that ran while a drained D restarted marked it unhealthy: undrain checks it again at once, so it
+    serves right away (not up to one health interval later), and the answer says its real state."""
+    fleet = fleet_factory(n_decode=2)
+    member = next(m for m in fleet.routers[0].decode.members if m.name == "decode-0")
+    assert httpx.post(fleet.url + "/admin/upstreams/decode-0/drain", timeout=10).json()["state"] == "drained"
+    member.healthy = False  # what the periodic check saw while it was down
+    assert upstreams(fleet.url)["decode-0"]["state"] == "drained"
+    assert httpx.post(fleet.url + "/admin/upstreams/decode-0/undrain", timeout=10).json()["state"] == "serving"
+    assert member.healthy
+    # Still down when undrained: the answer says so.
+    url, member.url = member.url, f"http://127.0.0.1:{_closed_port()}"
+    try:
+        httpx.post(fleet.url + "/admin/upstreams/decode-0/drain", timeout=10)
+        assert httpx.post(fleet.url + "/admin/upstreams/decode-0/undrain", timeout=10).json()["state"] == "unhealthy"
+    finally:
+        member.url = url
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_admin_auth(fleet_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     admin = tmp_path / "admin.key"
     admin.write_text("adm-SECRET\n")
