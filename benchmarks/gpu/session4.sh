@@ -12,17 +12,10 @@
 # Each call packs what it made under /tmp/res into $OUT/<step>.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 step=$1
-OUT=${OUT:-/tmp/out}
-RUN="bash benchmarks/gpu/run-h200.sh"
-export MODEL_DIR=/tmp/qwen3-32b MODEL_NAME=qwen3-32b
-PIP="python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site"
-# P's KV cache for (b)/(c): 800 blocks × 128 = 102,400 tokens (the fair re-measure); D keeps vLLM's own size.
-P_CAP="--num-gpu-blocks-override 800"
-W="--conversations 2 --turns 2 --system-tokens 500 --new-tokens 100 --output-tokens 10 --concurrency 2 --seed 99"
+. benchmarks/gpu/session-common.sh
 BC="--conversations 16 --turns 8 --system-tokens 2000 --start-history 6000 --new-tokens 150 --output-tokens 300 --concurrency 16 --think-median 8 --think-sigma 1 --prefill-cache on --seed 4"
 D="--conversations 10 --turns 5 --system-tokens 2000 --start-history 6000 --new-tokens 150 --output-tokens 150 --concurrency 10 --prefill-cache off --reuse on"
 XLAYER='{"enable_cross_layers_blocks": "true"}'
-pack() { mkdir -p "$OUT" /tmp/res; tar czf "$OUT/$step.tgz" -C /tmp/res . ; ls -la /tmp/res | tail -n 30; }
 case $step in
   a)
     mkdir -p /tmp/stage && cp .gpu-stage/s4a/* /tmp/stage/ && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv

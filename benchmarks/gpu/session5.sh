@@ -10,18 +10,12 @@
 # Each call packs what it made under /tmp/res into $OUT/<step>.tgz.
 set -uo pipefail
 step=$1
-OUT=${OUT:-/tmp/out}
-RUN="bash benchmarks/gpu/run-h200.sh"
-export MODEL_DIR=/tmp/qwen3-32b MODEL_NAME=qwen3-32b
-PIP="python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site"
-P_CAP="--num-gpu-blocks-override 800"   # P's KV: 800 × 128 = 102,400 tokens (as in session 4)
-W="--conversations 2 --turns 2 --system-tokens 500 --new-tokens 100 --output-tokens 10 --concurrency 2 --seed 99"
+. benchmarks/gpu/session-common.sh
 # Session 4's load (16 conversations, 8 turns, 8.2k-11.3k prompts, think time median 8 s) with fresh prompts (seed 9)
 # and the client marking each conversation's last turn (X-Bpdkv-Last-Turn: D holds nothing for it).
 BC="--conversations 16 --turns 8 --system-tokens 2000 --start-history 6000 --new-tokens 150 --output-tokens 300 --concurrency 16 --think-median 8 --think-sigma 1 --prefill-cache on --seed 9 --mark-last-turn"
 # (a): session 4's (d) workload (10 conversations, 5 turns, 8.2k-10.4k prompts, P cache off = salted)
 A="--conversations 10 --turns 5 --system-tokens 2000 --start-history 6000 --new-tokens 150 --output-tokens 150 --concurrency 10 --prefill-cache off"
-pack() { mkdir -p "$OUT" /tmp/res; tar czf "$OUT/$step.tgz" -C /tmp/res . ; ls -la /tmp/res | tail -n 30; }
 fence_check() {
   echo "== fence check ($1)"
   grep -h "bpdkv fence\|lacks the read hooks\|bpdkv plugin\|hold budget" /tmp/prefill-0.log /tmp/decode-0.log | head -n 8
