@@ -26,16 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bpdkv.lab.ports import free_port
 from bpdkv.lab.processes import stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tree(pid: int) -> list[int]:

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 import httpx
 
 from bpdkv import contracts as c
+from bpdkv.lab.ports import free_port
 from bpdkv.lab.processes import stop_group
 from bpdkv.testing.vllm_emulator import THOUGHT_END, THOUGHT_START, hermes_block, literal_regex
 
@@ -141,10 +141,6 @@ def tool_conversation(
 
 
 # ---- servers ----------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -14,7 +14,6 @@ import asyncio
 import enum
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from bpdkv.lab.ports import free_port
 from bpdkv.lab.processes import stop_group
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
 
@@ -122,19 +122,13 @@ def _median(values: list[float]) -> float:
     return s[len(s) // 2] if s else 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Upstream:
     """One emulated vLLM server on a fixed port, restartable as a new engine."""
 
     def __init__(self, name: str, settings: EmulatorSettings) -> None:
         self.name = name
         self.settings = settings
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.emulator: VllmEmulator | None = None
         self.group: ServerGroup | None = None
@@ -171,7 +165,7 @@ class SoakFleet:
             role="decode", decoder_kv_blocks_ttl=settings.decoder_ttl, kv_recompute_threshold=16, token_interval=settings.token_interval
         )
         self.upstreams = [Upstream("prefill-0", p), Upstream("decode-0", d), Upstream("prefill-1", p), Upstream("decode-1", d)]
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "listen": "127.0.0.1",

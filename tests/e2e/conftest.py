@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bpdkv.lab.ports import free_port
 from bpdkv.lab.processes import stop_group
 from bpdkv.testing.record_vllm import SERVER_ENV
 
@@ -24,14 +25,16 @@ START_TIMEOUT = 240.0
 MAX_LIFETIME = 1800  # seconds; every server is wrapped in `timeout` so none can outlive a broken run
 # The server environment of the recorder: one OpenMP thread, UCX over TCP on loopback, no V1 multiprocessing (why: there).
 BASE_ENV = SERVER_ENV
+DEAD_THREAD = "Exception in thread nixl_handshake_listener"
+START_ATTEMPTS = 2  # a second start on fresh ports when a port was taken under the first
 
 
-def _free_port() -> int:
-    import socket
+class ServerStartFailed(RuntimeError):
+    """A vLLM server that exited, lost a thread it needs or never answered /health in time."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    @property
+    def port_taken(self) -> bool:
+        return "Address already in use" in str(self)
 
 
 class VllmServer:
@@ -49,10 +52,10 @@ class VllmServer:
         args: tuple[str, ...] = (),
     ) -> None:
         self.name = name
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, **BASE_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()))
+        env = dict(os.environ, **BASE_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
         # vLLM's engine IPC sockets go here (default: /tmp, where they would stay behind); removed by stop().
         self.ipc_dir = Path(tempfile.mkdtemp(prefix=f"bpdkv-{name}-ipc-"))  # short: socket paths max 107 bytes
         env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
@@ -108,7 +111,10 @@ class VllmServer:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+                raise ServerStartFailed(f"{self.name} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            if DEAD_THREAD in self.log.read_text(errors="replace"):
+                # vLLM keeps serving after its NIXL side-channel thread died, but can never do P/D: fail now, not in 4 min.
+                raise ServerStartFailed(f"{self.name}: {DEAD_THREAD}: {self.log.read_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.ready_after = time.monotonic() - self.started
@@ -116,7 +122,7 @@ class VllmServer:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise RuntimeError(f"{self.name} not healthy after {START_TIMEOUT}s: {self.log.read_text()[-2000:]}")
+        raise ServerStartFailed(f"{self.name} not healthy after {START_TIMEOUT}s: {self.log.read_text()[-2000:]}")
 
     def rss_mb(self) -> float:
         total = 0
@@ -156,11 +162,19 @@ def server_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
         alive = [s for s in started if s.proc.poll() is None]
         if len(alive) + len(names_roles) > 3:
             raise RuntimeError("never more than three vLLM servers at once on this machine")
-        servers = [VllmServer(name, logs, role, **kwargs) for name, role in names_roles]
-        started.extend(servers)
-        for s in servers:
-            s.wait()
-        return servers
+        for attempt in range(1, START_ATTEMPTS + 1):
+            servers = [VllmServer(name, logs, role, **kwargs) for name, role in names_roles]
+            started.extend(servers)
+            try:
+                for s in servers:
+                    s.wait()
+                return servers
+            except ServerStartFailed as failed:
+                for s in servers:  # none of a failed batch stays up: later modules get the memory and the count back
+                    s.stop()
+                if not failed.port_taken or attempt == START_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     yield start
     for s in started:

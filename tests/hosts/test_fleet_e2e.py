@@ -36,6 +36,29 @@ DECODE = "http://10.213.0.12:8200"
 TURNS = 4
 
 
+def reuse_counters() -> list[str]:
+    """What a turn without a pull leaves behind: the router's reuse and pull outcomes, P's and D's fence counters."""
+    wanted = (
+        "bpdkv_router_reuse",
+        "bpdkv_router_pull",
+        "bpdkv_router_sessions",
+        "d_params_missing",
+        "bpdkv_pin",
+        "bpdkv_fence",
+        "bpdkv_hold",
+        "bpdkv_held",
+    )
+    lines = []
+    for name, url in (("router", ROUTER), ("P", PREFILL), ("D", DECODE)):
+        try:
+            text = httpx.get(url + "/metrics", timeout=10).text
+        except httpx.HTTPError as exc:
+            lines.append(f"{name}: /metrics unreadable: {exc}")
+            continue
+        lines += [f"{name} {line}" for line in text.splitlines() if not line.startswith("#") and any(w in line for w in wanted)]
+    return lines
+
+
 def bpdkv(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "bpdkv.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
@@ -93,8 +116,8 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
     turns = chat(ROUTER, [PREFILL], "tiny", turns=TURNS, prefill_cache=False)
     print("\nfleet e2e turns:", [(round(t.pulled_tokens), round(t.ttft_s, 3)) for t in turns])
     assert [t.text for t in turns] == reference_texts
-    assert all(t.pulled_tokens > 0 for t in turns[1:]), turns
-    assert all(t.verified_tokens == t.pulled_tokens for t in turns[1:]), turns
+    assert all(t.pulled_tokens > 0 for t in turns[1:]), (turns, reuse_counters())
+    assert all(t.verified_tokens == t.pulled_tokens for t in turns[1:]), (turns, reuse_counters())
     router_metrics = httpx.get(ROUTER + "/metrics", timeout=10).text
     assert metric_value(router_metrics, "bpdkv_router_reuse_total", {"outcome": "hit"}) >= TURNS - 1, router_metrics[:2000]
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from bpdkv.bench.runner import metric_value
+from bpdkv.lab.ports import free_port
 from bpdkv.router.app import Router
 from bpdkv.router.config import HealthSettings, RouterConfig, Timeouts, UpstreamSpec
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
@@ -100,19 +101,13 @@ def reference() -> Iterator[str]:
     group.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A real redis-server on loopback, started and ended by the test (by PID)."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server missing: apt-get install -y redis-server (make test installs it)")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
         stdout=subprocess.DEVNULL,

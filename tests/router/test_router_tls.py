@@ -20,6 +20,7 @@ import httpx
 import pytest
 import yaml
 
+from bpdkv.lab.ports import free_port
 from bpdkv.lab.processes import stop_group
 from bpdkv.router.security import KeyRing, SecurityConfigError, hashed_key_line
 from bpdkv.router.sessions import RedisStore, SessionEntry, StoreUnavailable
@@ -86,12 +87,6 @@ class CertificateAuthority:
             os.replace(tmp, path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def peer_serial(port: int, ca: Path) -> int:
     ctx = ssl.create_default_context(cafile=str(ca))
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
@@ -114,7 +109,7 @@ def https_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     emulators = [VllmEmulator(EmulatorSettings(role="prefill")), VllmEmulator(EmulatorSettings(role="decode", token_interval=0.02))]
     group = ServerGroup([e.app for e in emulators])
     p_url, d_url = group.start()
-    port = _free_port()
+    port = free_port()
     config = {
         "listen": "127.0.0.1",
         "port": port,
@@ -258,7 +253,7 @@ def redis_tls(tmp_path: Path) -> Iterator[dict[str, Any]]:
     password_file = tmp_path / "redis-password"
     password_file.write_text(password + "\n")
     password_file.chmod(0o600)
-    port = _free_port()
+    port = free_port()
     # The password goes in a config file, not argv (ps shows argv to every user of the machine).
     conf = tmp_path / "redis.conf"
     conf.write_text(

@@ -21,18 +21,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from bpdkv.lab.ports import free_port
 from bpdkv.render import render_topology, system_packages
 from bpdkv.router.config import load_config, local_redis_conf
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
 from bpdkv.topology.loader import load_topology
 from tests.conftest import ROOT
 from tests.router.helpers import SYSTEM, chat
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_render_multi_worker_router(tmp_path: Path) -> None:
@@ -71,7 +66,7 @@ def emulated() -> Iterator[tuple[VllmEmulator, list[str]]]:
 
 
 def _start_router(tmp_path: Path, urls: list[str], workers: int) -> tuple[subprocess.Popen[bytes], int, int]:
-    port, redis_port = _free_port(), _free_port()
+    port, redis_port = free_port(), free_port()
     conf = tmp_path / "redis.conf"
     conf.write_text(local_redis_conf("router-test", redis_port, str(tmp_path)))
     config: dict[str, Any] = {
