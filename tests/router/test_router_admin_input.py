@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bpdkv.lab.ports import free_port
 from tests.router.helpers import chat
 
 CHAT = "/v1/chat/completions"
@@ -68,20 +69,12 @@ def test_undrain_checks_health_at_once(fleet_factory) -> None:  # type: ignore[n
     assert httpx.post(fleet.url + "/admin/upstreams/decode-0/undrain", timeout=10).json()["state"] == "serving"
     assert member.healthy
     # Still down when undrained: the answer says so.
-    url, member.url = member.url, f"http://127.0.0.1:{_closed_port()}"
+    url, member.url = member.url, f"http://127.0.0.1:{free_port()}"  # nothing listens there
     try:
         httpx.post(fleet.url + "/admin/upstreams/decode-0/drain", timeout=10)
         assert httpx.post(fleet.url + "/admin/upstreams/decode-0/undrain", timeout=10).json()["state"] == "unhealthy"
     finally:
         member.url = url
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_admin_auth(fleet_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

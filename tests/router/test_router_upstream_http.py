@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from bpdkv.lab.ports import free_port
 from bpdkv.router import relay
 from bpdkv.router.relay import _direct_cycle
 from bpdkv.router.upstream_http import Answer, ConnectFailed, ConnectionLost, UpstreamClient, UpstreamStream, UpstreamTimeout
@@ -125,10 +126,7 @@ def test_failures_are_typed_and_bounded() -> None:
         error = await asyncio.wait_for(ended, 2)
         outcomes["/stall"] = type(error).__name__
         stream.close(False)
-        closed_port = socket.socket()
-        closed_port.bind(("127.0.0.1", 0))
-        port = closed_port.getsockname()[1]
-        closed_port.close()
+        port = free_port()  # nothing listens there
         try:
             await client.fetch("GET", f"http://127.0.0.1:{port}/health", None, {}, 1)
         except ConnectFailed:
