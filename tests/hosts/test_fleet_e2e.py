@@ -43,6 +43,8 @@ def reuse_counters() -> list[str]:
         "bpdkv_router_pull",
         "bpdkv_router_sessions",
         "d_params_missing",
+        "bpdkv_router_upstream_errors",
+        "bpdkv_router_backend_healthy",
         "bpdkv_pin",
         "bpdkv_fence",
         "bpdkv_hold",
