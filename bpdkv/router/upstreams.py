@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from bpdkv.router.upstream_http import UpstreamClient, UpstreamFailure
+from bpdkv.router.upstream_http import UpstreamClient, UpstreamFailure, UpstreamTimeout
 
 log = logging.getLogger("bpdkv.router")
 
@@ -36,6 +36,8 @@ class Upstream:
     ejected_until: float = 0.0
     ejections: int = 0
     healthy: bool = True  # last active check
+    slow_checks: int = 0  # health checks in a row that got no answer in time (the upstream accepted, did not answer)
+    went_down: bool = False  # marked unhealthy by a refusal, reset or error answer (it may restart), not only slowness
     last_error: str = ""
     drained: bool = False  # admin: no new requests
     # Stored sessions from before this wall-clock time point at blocks this D no longer holds (it restarted).
@@ -173,25 +175,44 @@ async def health_loop(pools: list[Pool], client: UpstreamClient, interval: float
 
 
 async def check_member(pool: Pool, member: Upstream, client: UpstreamClient, timeout: float) -> bool:
-    """GET /health on one member; its health follows the answer (True: healthy)."""
+    """GET /health on one member; its health follows the answer (True: healthy).
+
+    Why slowness is judged apart: a refused or reset connection or an error answer means the server is down or
+    restarting — unhealthy at once, and when it answers again its held blocks may be gone, so the sessions stored
+    before are forgotten. A check that only timed out (a busy or briefly stalled server) is a failure like a failed
+    request: unhealthy after `failures_to_eject` in a row, and it restarted only if it went down too. Forgetting every
+    session of a D on one slow answer cost all its conversations their reuse; a D that did restart unseen is caught by
+    its new engine id on its first answer, and P's read fence refuses blocks it no longer holds."""
+    slow = False
     try:
         answer = await client.fetch("GET", member.url + "/health", None, {}, timeout)
         ok = answer.status == 200
         err = f"HTTP {answer.status}"
+    except UpstreamTimeout as exc:
+        ok, slow, err = False, True, type(exc).__name__
     except UpstreamFailure as exc:
         ok, err = False, type(exc).__name__
-    if ok and not member.healthy:
-        log.info("%s %s healthy again", pool.role, member.name)
-        member.restarted_at = time.time()  # it may have restarted: its old blocks are gone
-    if not ok and member.healthy:
-        log.warning("%s %s failed health check: %s", pool.role, member.name, err)
-    member.healthy = ok
     if ok:
+        if not member.healthy:
+            log.info("%s %s healthy again", pool.role, member.name)
+            if member.went_down:
+                member.restarted_at = time.time()  # it may have restarted: its old blocks are gone
+        member.healthy, member.went_down, member.slow_checks = True, False, 0
         member.ejected_until = min(member.ejected_until, pool.clock())
         member.ejections = 0
+        return True
+    member.last_error = err
+    if slow:
+        member.slow_checks += 1
+        if member.healthy and member.slow_checks < pool.failures_to_eject:
+            log.warning("%s %s did not answer its health check in %.1fs (%d in a row)", pool.role, member.name, timeout, member.slow_checks)
+            return False
     else:
-        member.last_error = err
-    return ok
+        member.went_down = True
+    if member.healthy:
+        log.warning("%s %s failed health check: %s", pool.role, member.name, err)
+    member.healthy = False
+    return False
 
 
 async def check_all(pools: list[Pool], client: UpstreamClient, timeout: float) -> None:

@@ -75,6 +75,7 @@ class VllmEmulator:
     counters: dict[str, float] = field(default_factory=dict)
     requests: list[dict[str, Any]] = field(default_factory=list)  # what arrived (for tests)
     healthy: bool = True
+    health_delay: float = 0.0  # seconds /health takes to answer (a busy or briefly stalled server)
 
     def __post_init__(self) -> None:
         FABRIC[self.engine_id] = self
@@ -134,6 +135,8 @@ class VllmEmulator:
 
     # ---- endpoints ------------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
+        if self.health_delay:
+            await asyncio.sleep(self.health_delay)
         return PlainTextResponse("", status_code=200 if self.healthy else 503)
 
     async def models(self, request: Request) -> Response:

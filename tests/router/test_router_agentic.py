@@ -106,6 +106,48 @@ def test_sessions_of_an_unhealthy_decode_are_refused(fleet_factory, reference) -
     assert fleet.prefill[0].counters.get("nixl_num_kv_expired_reqs", 0) == 0  # never offered to P
 
 
+def test_a_slow_health_check_keeps_the_decodes_sessions(fleet_factory, reference) -> None:  # type: ignore[no-untyped-def]
+    # A D that is only slow to answer /health did not restart: its sessions stay usable. Unhealthy (no new requests)
+    # after failures_to_eject slow checks in a row, like failed requests; healthy again on its next answer.
+    fleet = fleet_factory(n_decode=2)
+    router = fleet.routers[0]
+    check = lambda: fleet._groups[0].call(router.check_health_now())  # noqa: E731 - the routers' server loop
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+    text, _ = chat(fleet.url, messages)
+    index = next(i for i, d in enumerate(fleet.decode) if d.held)
+    holder, member = fleet.decode[index], router.decode.members[index]
+    holder.health_delay = 3.0  # over check_health_now's 2 s
+    check()
+    assert member.healthy and member.slow_checks == 1
+    holder.health_delay = 0.0
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "second question"}]
+    text, _ = chat(fleet.url, messages)
+    assert text == chat(reference, messages)[0]
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 1
+
+    holder.health_delay = 3.0
+    for _ in range(router.config.health.failures_to_eject):
+        check()
+    assert not member.healthy  # no answer three times in a row: no new requests go there
+    holder.health_delay = 0.0
+    check()
+    assert member.healthy
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "third question"}]
+    text, _ = chat(fleet.url, messages)
+    assert text == chat(reference, messages)[0]
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == 2  # it never went down: its blocks are there
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="refused") == 0
+
+    holder = next(d for d in fleet.decode if d.held)  # the third turn's blocks (the pulled ones were let go)
+    holder.healthy = False  # an error answer: down, maybe restarting — its sessions are forgotten when it is back
+    check()
+    holder.healthy = True
+    check()
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "fourth question"}]
+    assert chat(fleet.url, messages)[0] == chat(reference, messages)[0]
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="refused") == 1
+
+
 def test_session_id_takeover_refused(fleet_factory) -> None:  # type: ignore[no-untyped-def]
     fleet = fleet_factory(p_settings={"prefix_caching": False})
     sid = {"X-Session-Id": "conversation-A"}
