@@ -23,13 +23,8 @@ fence_check() {
   curl -s localhost:8200/metrics | grep -E "^vllm:bpdkv_(fence_|hold_released)" | grep -v _created
 }
 case $step in
-  a)
-    mkdir -p /tmp/stage && cp .gpu-stage/s4a/* /tmp/stage/ && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
-    ;;
-  b)
-    cat /tmp/stage/vllm.part.a .gpu-stage/s5b/vllm.part.b > /tmp/stage/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
-    sha256sum /tmp/stage/vllm-0.24.0-*.whl .gpu-stage/s5b/bpdkv-*.whl
-    $PIP /tmp/stage/vllm-0.24.0-*.whl .gpu-stage/s5b/*.whl && echo "vllm + bpdkv installed"
+  a|b)
+    stage_vllm "$step"
     ;;
   c)
     $PIP .gpu-stage/s4c/*.whl && echo "deps + nixl installed" || exit 1
