@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,46 +21,68 @@ from session4_compare import D, P, run, stats, sustained, ttfts  # noqa: E402
 from bpdkv.bench.runner import metric_value  # noqa: E402
 
 BLOCK = 128  # session5.sh: --block-size of P and D
-PREFILL_TOKENS_PER_S = 8700  # P's prefill rate at ~9k tokens of context (session 5's estimate; not measured per request)
+# P's prefill rate: its turn-1 aggregate (10 concurrent 8,150-token prompts in ~9.3 s) — an estimate for a turn's few
+# hundred new tokens, which a step bound by reading the weights may make slower (see the README).
+PREFILL_TOKENS_PER_S = 8700
+
+
+def _d_log_blocks(folder: Path, name: str, block_descriptors: float) -> float | None:
+    """Blocks per D pull in the last interval vLLM logged (late turns only): a check of the accounting."""
+    log_file = folder / f"{name}.decode.log"
+    if not log_file.exists():
+        return None
+    found = re.findall(r"Avg number of descriptors=([0-9.]+)", log_file.read_text())
+    return round(float(found[-1]) / block_descriptors, 2) if found else None
 
 
 def turn2_floor(folder: Path, name: str, block: int = BLOCK, fence_ms: float = 0.4) -> dict:
-    """Floor of a turn >= 2 = P's pull + P's new tokens + fence + D's pull + D's first step, each as that turn sees it.
+    """Floor of a turn >= 2 = P's pull + P's new tokens + fence + D's pull + D's first step, as that turn sees them.
 
-    Why not the stage means: D's pull histogram mixes turn 1, where D pulls the whole ~7k-token prompt, with turns >= 2,
-    where D's prefix cache holds the history and it pulls at most the last block (session 5's README used the mean,
-    44 ms, and so overstated the floor). Token accounting per turn >= 2 (n of them): P pulls X = P's external tokens / n
-    (all of P's pulls are turns >= 2); D hits h = D's cached tokens / n; D pulls e in [0, BLOCK) of the same prompt, so
-    P computes N = h + e - X new tokens. D's one-block pull is priced at P's measured seconds per pulled token.
+    Why not the stage means: vLLM's histograms are per run, and D's mixes turn 1, where D pulls the whole prompt, with
+    turns >= 2, where it pulls only P's new tokens; and vLLM times D's small pulls until the end of the engine step
+    they ran in (~31 ms for ~74 MB), which is waiting, not transfer. Token accounting (the bench sends token ids, so
+    prompt lengths are exact; P's cache is salted, so P computes every turn-1 token and pulls only on turns >= 2):
+      N, P's new tokens per turn >= 2 = (P's local-compute tokens - the turn-1 prompts) / n
+      X, P's pulled tokens per turn >= 2 = P's external tokens / n
+      D's turn-1 hits (prefixes the conversations share) = D's hits - n * X (D keeps what it held for P)
+      e, D's pulled tokens per turn >= 2 = (D's external tokens - (the turn-1 prompts - D's turn-1 hits)) / n
+    Both pulls are priced at P's measured rate (posting + transfer per token), P's new tokens at PREFILL_TOKENS_PER_S.
     `python session5_compare.py FOLDER RUN BLOCK FENCE_MS` prints it for another run (session 4: d2-b128 128 0)."""
     on = run(folder, name)
     p_text = (folder / f"{name}.prefill-metrics.txt").read_text()
     d_text = (folder / f"{name}.decode-metrics.txt").read_text()
     n = sum(1 for s in on["samples"] if s["turn"] > 0)
+    first_prompts = sum(s["history_tokens"] for s in on["samples"] if s["turn"] == 0)
     src = "vllm:prompt_tokens_by_source_total"
     x = metric_value(p_text, src, {"source": "external_kv_transfer"}) / n
-    h = metric_value(d_text, src, {"source": "local_cache_hit"}) / n
+    new = (metric_value(p_text, src, {"source": "local_compute"}) - first_prompts) / n
+    d_first_hits = metric_value(d_text, src, {"source": "local_cache_hit"}) - n * x
+    e = (metric_value(d_text, src, {"source": "external_kv_transfer"}) - (first_prompts - d_first_hits)) / n
     ps, ds = on["stages"][P], on["stages"][D]
     p_pull = ps["pull_ms"] + ps["pull_post_ms"]
+    per_token = p_pull / x
     fence = fence_ms  # session 5's (a): P's mean wait for a pin answer (fence-check-on-end.txt); session 4 had no fence
-    first_step = ds["itl_ms"]
-    new = (h - x, h - x + block - 1)
-    d_pull = (0.0, p_pull / x * block)
-    low = p_pull + new[0] / PREFILL_TOKENS_PER_S * 1000 + fence + d_pull[0] + first_step
-    high = p_pull + new[1] / PREFILL_TOKENS_PER_S * 1000 + fence + d_pull[1] + first_step
+    stages = {
+        "p_pull_ms": p_pull,
+        "p_new_tokens_ms": new / PREFILL_TOKENS_PER_S * 1000,
+        "fence_ms": fence,
+        "d_pull_ms": e * per_token,
+        "d_first_step_ms": ds["itl_ms"],
+    }
+    floor = sum(stages.values())
     ttft = stats(ttfts(on))["mean"]
     return {
         "turns": n,
         "p_pull_tokens": round(x, 1),
-        "p_pull_ms": round(p_pull, 1),
-        "p_new_tokens": [round(v) for v in new],
-        "d_cached_tokens": round(h, 1),
-        "d_pull_ms": [round(v, 1) for v in d_pull],
-        "fence_ms": fence,
-        "d_first_step_ms": round(first_step, 1),
-        "floor_ms": [round(low, 1), round(high, 1)],
+        "p_new_tokens": round(new, 1),
+        "d_pull_tokens": round(e, 1),
+        "d_turn1_shared_hits": round(d_first_hits),
+        "d_pull_blocks_per_vllm_log": _d_log_blocks(folder, name, ps["pull_descriptors"] / (x / block)),
+        "d_pull_ms_by_vllm": ds["pull_ms"] + ds["pull_post_ms"],
+        **{k: round(v, 1) for k, v in stages.items()},
+        "floor_ms": round(floor, 1),
         "ttft_mean_ms": ttft,
-        "ttft_over_floor": [round(ttft / high, 2), round(ttft / low, 2)],
+        "ttft_over_floor": round(ttft / floor, 2),
     }
 
 
