@@ -325,7 +325,9 @@ class Router:
         self._stop.clear()
         if self.config.health.interval > 0:
             self._health_task = asyncio.create_task(
-                health_loop([self.prefill, self.decode], self.client, self.config.health.interval, self._stop)
+                health_loop(
+                    [self.prefill, self.decode], self.client, self.config.health.interval, self.config.health.check_timeout, self._stop
+                )
             )
         if self.metrics.multiprocess_dir is not None:
             self._gauge_task = asyncio.create_task(self._upstream_gauge_loop())
@@ -441,7 +443,7 @@ class Router:
             # A health check that ran while it restarted marked it unhealthy: check now, so that it serves as soon
             # as it is undrained (not up to one health interval later) and the answer says its real state.
             pool = self.prefill if member in self.prefill.members else self.decode
-            await check_member(pool, member, self._session(), timeout=min(self.config.health.interval or 5.0, 5.0))
+            await check_member(pool, member, self._session(), timeout=self.config.health.check_timeout)
         log.info("admin: %s %s (%s %s)", action, name, member.role, member.url)
         return JSONResponse(member.describe(time.monotonic()))
 

@@ -40,6 +40,11 @@ class HealthSettings:
     failures_to_eject: int = int(ROUTER_HEALTH_DEFAULTS["failures_to_eject"])
     backoff_max: float = ROUTER_HEALTH_DEFAULTS["backoff_max"]
 
+    @property
+    def check_timeout(self) -> float:
+        """One check's bound: the interval, at most 5 s (interval 0, no periodic checks: 5 s)."""
+        return min(self.interval or 5.0, 5.0)
+
 
 @dataclass(frozen=True)
 class RouterConfig:

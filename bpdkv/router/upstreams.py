@@ -164,10 +164,10 @@ class Pool:
             log.warning("%s %s ejected for %.0fs: %s", self.role, member.name, backoff, error)
 
 
-async def health_loop(pools: list[Pool], client: UpstreamClient, interval: float, stop: asyncio.Event) -> None:
+async def health_loop(pools: list[Pool], client: UpstreamClient, interval: float, timeout: float, stop: asyncio.Event) -> None:
     """Active checks: GET /health on every member each interval, bounded by the stop event."""
     while not stop.is_set():
-        await check_all(pools, client, timeout=min(interval, 5.0))
+        await check_all(pools, client, timeout)
         try:
             await asyncio.wait_for(stop.wait(), interval)
         except asyncio.TimeoutError:
