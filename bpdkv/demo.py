@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bpdkv.bench.runner import metric_value
 from bpdkv.contracts import P_CACHE_HEADER
 from bpdkv.errors import BpdkvError
 from bpdkv.lab import CACHE_DIR, tiny_model
 from bpdkv.lab.vllm_env import install_hint
-from bpdkv.router.turn import stream as turn_stream
+from bpdkv.prometheus_text import metric_value
+from bpdkv.turn_client import stream as turn_stream
 
 SYSTEM = "You are a helpful assistant for model cache questions. Answer briefly and name the layer, the block and the node."
 QUESTIONS = [

@@ -18,9 +18,9 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bpdkv.bench.runner import metric_value
 from bpdkv.errors import BpdkvError
-from bpdkv.router.turn import TurnClient, TurnError, post_json, prefill_body
+from bpdkv.prometheus_text import metric_value
+from bpdkv.turn_client import TurnClient, TurnError, post_json, prefill_body
 
 TAIL_TOKENS = 8  # new tokens after D's sequence, computed by P in both measurements
 # gpu.md: on H200 block 16 made pulls descriptor-bound (reuse useless); 128 moved 57-59 GB/s.

@@ -12,7 +12,8 @@ import aiohttp
 
 from bpdkv import contracts
 from bpdkv.bench.workload import Conversation, WorkloadSpec
-from bpdkv.router.relay import sse_events
+from bpdkv.prometheus_text import metric_value as metric_value  # re-exported: the tests read metrics through the bench
+from bpdkv.sse import sse_events
 
 SERVER_COUNTERS = {
     "external_tokens": ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
@@ -99,23 +100,6 @@ class Servers:
         return list(dict.fromkeys(self.prefill + self.decode + self.other))
 
 
-def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """Sum of the samples of one metric in Prometheus text whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.split("{", 1)[0] != name:
-            continue
-        if all(f'{k}="{v}"' in head for k, v in (labels or {}).items()):
-            try:
-                total += float(value)
-            except ValueError:
-                pass
-    return total
-
-
 def parse_metrics(text: str) -> dict[str, float]:
     out = {key: metric_value(text, name, labels) for key, (name, labels) in SERVER_COUNTERS.items()}
     out.update({key: metric_value(text, name, labels) for key, (name, labels) in SERVER_GAUGES.items()})
@@ -195,7 +179,7 @@ async def one_request(
                 buffer += chunk
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
-                    for data in sse_events(event):  # the router's one SSE parser
+                    for data in sse_events(event):  # the one SSE parser (bpdkv.sse)
                         for choice in data.get("choices") or []:
                             piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                             ids = choice.get("token_ids") or []

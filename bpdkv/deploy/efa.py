@@ -137,7 +137,7 @@ class TransferCounters:
 
 
 def parse_transfer_counters(metrics: str) -> TransferCounters:
-    from bpdkv.bench.runner import metric_value  # the one Prometheus-text reader
+    from bpdkv.prometheus_text import metric_value  # the one Prometheus-text reader
 
     return TransferCounters(
         exported=any(line.startswith("vllm:nixl_") for line in metrics.splitlines()),
@@ -221,7 +221,7 @@ def probe_main(argv: list[str]) -> int:
     """On the node: scrape D, run one P→D turn with a long token-id prompt, scrape D again; print one JSON line."""
     import urllib.request
 
-    from bpdkv.router.turn import TurnClient, TurnError
+    from bpdkv.turn_client import TurnClient, TurnError
 
     prefill, decode, tokens, timeout = argv[0], argv[1], int(argv[2]), float(argv[3])
 

@@ -4,16 +4,14 @@ P gets the prompt with max_tokens=1, no stream, and either the "prefill for a re
 from the previous turn (where to pull the history from); P answers with where D pulls P's blocks. D gets the
 client's request plus P's params and answers as the client asked, returning where its own blocks are held.
 
-Two users: the router (`PdTurn`: pools, one retry policy, leases) and everything that drives P and D directly —
-calibrate, the GPU and e2e tests — through `TurnClient` (standard library HTTP, synchronous).
+This is the router's side (`PdTurn`: pools, one retry policy, leases). The requests themselves and the client that
+drives P and D directly (calibrate, the EFA probe, the demo, the GPU and e2e tests) live in bpdkv.turn_client, which
+the deploy side may import too.
 """
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,45 +20,16 @@ from bpdkv import contracts
 from bpdkv.router import jsonbytes
 from bpdkv.router.config import Timeouts
 from bpdkv.router.metrics import RouterMetrics
-from bpdkv.router.relay import Reply, sse_events
 from bpdkv.router.upstream_http import Answer, BodySink, EndSink, UpstreamClient, UpstreamFailure, UpstreamStream
 from bpdkv.router.upstreams import Lease, Pool, Upstream
+from bpdkv.turn_client import decode_body, params_of, prefill_body
 
 # Turns whose D keeps its blocks for the next turn: a tool-calling turn is as reusable as a plain one.
 REUSABLE_FINISH = ("stop", "length", "tool_calls")
 UPSTREAM_ERRORS = (UpstreamFailure,)
 
 
-# ---- the protocol steps --------------------------------------------------------------------------------------------
-def prefill_body(body: dict[str, Any], d_params: dict[str, Any] | None, fresh_salt: str | None = None) -> dict[str, Any]:
-    """The prefill request: same prompt, one token, no stream, and where to pull history from (if any)."""
-    req = dict(body)
-    if fresh_salt:
-        req["cache_salt"] = fresh_salt
-    req["max_tokens"] = 1
-    if "max_completion_tokens" in req:
-        req["max_completion_tokens"] = 1
-    req["stream"] = False
-    req.pop("stream_options", None)
-    req["n"] = 1
-    # A copy of the top level suffices: the request is serialised at once and nothing edits nested values.
-    req[contracts.KV_TRANSFER_PARAMS] = dict(d_params) if d_params else contracts.prefill_template()
-    return req
-
-
-def decode_body(body: dict[str, Any], p_params: dict[str, Any] | None, hold: bool = True) -> dict[str, Any]:
-    """The decode request; hold=False tells D (bpdkv plugin) that nobody will offer this turn's KV again."""
-    req = dict(body)
-    if p_params:
-        req[contracts.KV_TRANSFER_PARAMS] = p_params if hold else dict(p_params, **{contracts.HOLD: False})
-    return req
-
-
-def params_of(data: Any) -> dict[str, Any] | None:
-    params = data.get(contracts.KV_TRANSFER_PARAMS) if isinstance(data, dict) else None
-    return params if isinstance(params, dict) else None
-
-
+# ---- the protocol steps (prefill_body, decode_body, params_of: bpdkv.turn_client) ----------------------------------
 def usable_d_params(params: Any) -> bool:
     """D's returned params are reusable only if they point at blocks P can pull."""
     return (
@@ -269,90 +238,3 @@ class PdTurn:
             self.metrics.child(self.metrics.upstream, "decode").observe(time.perf_counter() - t0)
             return DecodeStream(member, lease, got)
         return NoUpstream(f"no decode upstream succeeded ({last})")
-
-
-# ---- the client's turn (calibrate, tests, demo) ------------------------------------------------------------------------
-class TurnError(Exception):
-    pass
-
-
-def post_json(url: str, body: dict[str, Any], timeout: float, headers: dict[str, str] | None = None) -> tuple[dict[str, Any], float]:
-    """POST JSON, return (JSON answer, seconds). Any failure is a TurnError naming the URL."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json", **(headers or {})})
-    start = time.perf_counter()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            data = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise TurnError(f"{url}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
-    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as exc:
-        raise TurnError(f"{url}: {exc}") from None
-    return data, time.perf_counter() - start
-
-
-@dataclass(frozen=True)
-class StreamResult:
-    reply: Reply
-    ttft_s: float  # to the first content (or tool-call) delta
-    seconds: float
-
-
-def stream(url: str, body: dict[str, Any], timeout: float, headers: dict[str, str] | None = None) -> StreamResult:
-    """POST a streaming completion and read its events (through the one SSE parser)."""
-    request = urllib.request.Request(
-        url, data=json.dumps(dict(body, stream=True)).encode(), headers={"content-type": "application/json", **(headers or {})}
-    )
-    start = time.perf_counter()
-    ttft: float | None = None
-    reply = Reply()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            for raw in resp:
-                for event in sse_events([raw]):
-                    reply.add_event(event)
-                if ttft is None and (reply.text or reply.tool_calls):
-                    ttft = time.perf_counter() - start
-    except urllib.error.HTTPError as exc:
-        raise TurnError(f"{url}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
-    except (urllib.error.URLError, TimeoutError, OSError) as exc:
-        raise TurnError(f"{url}: {exc}") from None
-    total = time.perf_counter() - start
-    return StreamResult(reply, ttft if ttft is not None else total, total)
-
-
-class TurnClient:
-    """Drive P and D directly, as the router does (no pools): one turn returns D's reply (with D's params)."""
-
-    def __init__(self, prefill: str, decode: str, timeout: float = 120.0) -> None:
-        self.prefill_url = prefill.rstrip("/")
-        self.decode_url = decode.rstrip("/")
-        self.timeout = timeout
-
-    def prefill(
-        self, route: str, body: dict[str, Any], d_params: dict[str, Any] | None, p_extra: dict[str, Any] | None = None
-    ) -> tuple[dict[str, Any], float]:
-        """P's params for D, and P's seconds. p_extra: fields for P only (e.g. cache_salt)."""
-        data, seconds = post_json(self.prefill_url + route, dict(prefill_body(body, d_params), **(p_extra or {})), self.timeout)
-        params = params_of(data)
-        if params is None:
-            raise TurnError(f"{self.prefill_url}: no kv_transfer_params in P's answer (is it a kv_producer with bidirectional transfer?)")
-        return params, seconds
-
-    def decode(self, route: str, body: dict[str, Any], p_params: dict[str, Any], stream_: bool = False) -> tuple[Reply, dict[str, Any]]:
-        """D's reply (params included) and, for a whole answer, its JSON."""
-        if stream_:
-            return stream(self.decode_url + route, decode_body(body, p_params), self.timeout).reply, {}
-        data, _ = post_json(self.decode_url + route, dict(decode_body(body, p_params), stream=False), self.timeout)
-        return Reply.of(data), data
-
-    def turn(
-        self,
-        route: str,
-        body: dict[str, Any],
-        d_params: dict[str, Any] | None,
-        stream_: bool = False,
-        p_extra: dict[str, Any] | None = None,
-    ) -> Reply:
-        p_params, _ = self.prefill(route, body, d_params, p_extra)
-        reply, _ = self.decode(route, body, p_params, stream_)
-        return reply

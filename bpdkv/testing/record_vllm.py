@@ -30,6 +30,7 @@ import httpx
 from bpdkv import contracts as c
 from bpdkv.lab.ports import free_port
 from bpdkv.lab.processes import stop_group
+from bpdkv.sse import read_stream
 from bpdkv.testing.vllm_emulator import THOUGHT_END, THOUGHT_START, hermes_block, literal_regex
 
 VLLM_PYTHON = Path(os.environ.get("BPDKV_VLLM_PYTHON", "/opt/bpdkv-ci/vllm-venv/bin/python"))
@@ -271,8 +272,8 @@ def send(url: str, route: str, body: dict[str, Any]) -> Exchange:
         raw = resp.read().decode()
         ctype = resp.headers.get("content-type", "").split(";")[0]
     if ctype == "text/event-stream":
-        events = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
-        return Exchange(resp.status_code, ctype, None, events, raw.rstrip().endswith("data: [DONE]"))
+        stream = read_stream(raw)  # the one SSE parser, strict: a recorded event that is not JSON fails the recording
+        return Exchange(resp.status_code, ctype, None, stream.events, stream.done)
     try:
         parsed: Any = json.loads(raw)
     except ValueError:

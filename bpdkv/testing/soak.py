@@ -26,6 +26,7 @@ import httpx
 
 from bpdkv.lab.ports import free_port
 from bpdkv.lab.processes import stop_group
+from bpdkv.sse import read_stream
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
 
 
@@ -241,10 +242,9 @@ async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -
         if resp.status_code != 200:
             return Outcome.CLEAN_ERROR, resp.status_code, "", (await resp.aread()).decode()[:200]
         async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
+            got = read_stream([line])  # the one SSE parser, a line at a time (an error event ends the exchange at once)
+            done = done or got.done
+            for event in got.events:
                 if "error" in event:
                     return Outcome.CLEAN_ERROR, 200, "", json.dumps(event)[:200]
                 parts += [(ch.get("delta") or {}).get("content") or "" for ch in event.get("choices", [])]

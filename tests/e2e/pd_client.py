@@ -7,9 +7,9 @@ from typing import Any
 import httpx
 
 from bpdkv import contracts
-from bpdkv.bench.runner import metric_value
-from bpdkv.router.relay import Reply, sse_events
-from bpdkv.router.turn import TurnClient
+from bpdkv.prometheus_text import metric_value
+from bpdkv.sse import Reply, sse_events
+from bpdkv.turn_client import TurnClient
 
 TEMPLATE = contracts.prefill_template()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from bpdkv.bench.runner import metric_value
+from bpdkv.sse import read_stream
 from tests.e2e.pd_client import QUESTIONS, TEMPLATE, metric, sse, turn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -79,7 +79,8 @@ PLAIN_STREAMS: dict[str, str] = {}
 def stream_shape(raw: str) -> dict[str, Any]:
     """A stream without its chunk boundaries, which follow timing: vLLM merges the outputs its API server has not
     consumed yet into one chunk (two runs of one unpatched server split the same 24 tokens into 14 or 26 chunks)."""
-    events = [json.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
+    stream = read_stream(raw)
+    events = stream.events
     content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     # Which keys the chunks carry (top level, choices, deltas): merging two chunks keeps their keys, so this does not
     # depend on timing; an extra or missing field (e.g. kv_transfer_params) shows.
@@ -89,7 +90,7 @@ def stream_shape(raw: str) -> dict[str, Any]:
         "delta": sorted({k for e in events for c in e["choices"] for k in (c.get("delta") or {})}),
     }
     last = dict(events[-1], choices=[{k: v for k, v in c.items() if k != "delta"} for c in events[-1]["choices"]])
-    return {"content": content, "keys": shapes, "last_chunk": last, "ends_with_done": raw.endswith("data: [DONE]\n\n")}
+    return {"content": content, "keys": shapes, "last_chunk": last, "ends_with_done": stream.done}
 
 
 def normalized_stream(url: str, body: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from bpdkv import contracts
 from bpdkv.bench.runner import metric_value
 from bpdkv.router.app import Router
 from bpdkv.router.config import HealthSettings, RouterConfig, Timeouts, UpstreamSpec
+from bpdkv.sse import read_stream
 from bpdkv.testing.record_vllm import (
     ONE_CALL,
     SYSTEM,
@@ -110,10 +111,7 @@ def ask(url: str, messages: list[dict[str, Any]], stream: bool, headers: dict[st
     content, reasoning, calls, finish = "", "", {}, None
     with httpx.stream("POST", url + CHAT, json=body, headers=headers, timeout=180) as resp:
         assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+        for event in read_stream(resp.iter_lines()).events:
             assert not event.get(contracts.KV_TRANSFER_PARAMS)
             for choice in event.get("choices", []):
                 delta = choice.get("delta") or {}

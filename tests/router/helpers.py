@@ -4,7 +4,7 @@ from typing import Any
 
 import httpx
 
-from bpdkv.router.relay import Reply, sse_events
+from bpdkv.sse import Reply, sse_events
 
 SYSTEM = "You are a helpful assistant. " * 8
 

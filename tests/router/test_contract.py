@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from bpdkv import contracts as c
+from bpdkv.sse import read_stream
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
 
 # BPDKV_CONTRACT_DIR: hold the emulator to a fresh recording (e.g. of a new vLLM) before it replaces the committed one.
@@ -103,14 +104,8 @@ def replay(url: str, fixture: dict[str, Any], request: dict[str, Any] | None = N
         raw = resp.read().decode()
         ctype = resp.headers.get("content-type", "").split(";")[0]
     if ctype == "text/event-stream":
-        events = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
-        return {
-            "status": resp.status_code,
-            "content_type": ctype,
-            "body": None,
-            "events": events,
-            "done": raw.rstrip().endswith("data: [DONE]"),
-        }
+        stream = read_stream(raw)  # the one SSE parser (bpdkv.sse), strict
+        return {"status": resp.status_code, "content_type": ctype, "body": None, "events": stream.events, "done": stream.done}
     return {"status": resp.status_code, "content_type": ctype, "body": json.loads(raw), "events": None, "done": False}
 
 
