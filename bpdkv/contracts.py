@@ -6,6 +6,7 @@ cannot leave one side speaking an old name.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Final
 
 # ---- kv_transfer_params (vLLM NixlConnector, pull mode) -------------------------------------------------------------
@@ -52,6 +53,24 @@ def prefill_template() -> dict[str, Any]:
     }
 
 
+# ---- kv_connector_extra_config: written by render from the topology, read by vLLM's NixlConnector and the plugin ------
+EXTRA_BACKENDS: Final = "backends"  # NIXL backends, e.g. ["UCX"] or ["LIBFABRIC"]
+EXTRA_BIDIRECTIONAL: Final = "bidirectional_kv_xfer"  # D keeps its blocks after a turn and returns where they are
+EXTRA_LEASE_DURATION: Final = "kv_lease_duration"  # seconds P holds its blocks for D (renewed by D's heartbeats)
+EXTRA_BLOCKS_TTL: Final = "decoder_kv_blocks_ttl"  # seconds D keeps a finished request's blocks for the next turn
+EXTRA_RECOMPUTE_THRESHOLD: Final = "kv_recompute_threshold"  # fewer tokens than this to pull: P computes them
+EXTRA_UNVERIFIED_REUSE: Final = "unverified_reuse"  # bpdkv's: "refuse" | "allow" a pull from a D that sent no digests
+EXTRA_HOLD_BUDGET: Final = "bpdkv_hold_budget"  # bpdkv's: share of D's KV cache blocks finished requests may hold, (0, 1]
+# Defaults: upstream's (NixlConnector) for its keys; the topology, the plugin and the emulator all read these.
+DEFAULT_LEASE_DURATION: Final = 30
+DEFAULT_BLOCKS_TTL: Final = 480
+DEFAULT_RECOMPUTE_THRESHOLD: Final = 64
+DEFAULT_UNVERIFIED_REUSE: Final = "refuse"
+# Why the default budget is a half (benchmarks/results/gpu-h200x2/session3/README.md): D must keep room for its
+# live decodes (their KV grows every step) and for the next turns' prefills it pulls from P; held blocks beyond a
+# half only raise reuse hits for conversations idle long enough that P's own cache covers most of them.
+DEFAULT_HOLD_BUDGET: Final = 0.5
+
 # ---- HTTP headers and request fields (lower case: ASGI and aiohttp give lower-case names) ---------------------------
 SESSION_HEADER: Final = "x-session-id"
 SESSION_FIELDS: Final = ("session_id", "conversation_id")  # body fields naming a session; never forwarded to vLLM
@@ -86,3 +105,30 @@ ROUTER_HEALTH_DEFAULTS: Final[dict[str, float]] = {"interval": 5, "failures_to_e
 # Redis the router node runs for itself when workers > 1 and the topology names no external Redis.
 LOCAL_REDIS_PORT: Final = 6390
 LOCAL_REDIS_URL: Final = f"redis://127.0.0.1:{LOCAL_REDIS_PORT}/0"
+
+
+def local_redis_conf(router: str, port: int, work_dir: str) -> str:
+    """redis-server config of the session store a multi-worker router runs for itself (render writes it, the router
+    starts redis-server on it): loopback, no persistence (sessions are worth seconds), bounded memory dropping the
+    entries nearest to expiry first."""
+    return (
+        f"# Managed by bpdkv: session store of router {router} (its workers share sessions through it).\n"
+        "bind 127.0.0.1\n"
+        f"port {port}\n"
+        "protected-mode yes\n"
+        "daemonize no\n"
+        'save ""\n'
+        "appendonly no\n"
+        f"dir {work_dir}\n"
+        "maxmemory 512mb\n"
+        "maxmemory-policy volatile-ttl\n"
+    )
+
+
+# ---- the router's inbound API keys file (api_keys_file): written by render, read by the router ----------------------
+KEY_DIGEST_PREFIX: Final = "sha256:"
+
+
+def hashed_key_line(tenant: str, key: str) -> str:
+    """One line of a keys file as render writes it: the tenant and the key's digest, never the key."""
+    return f"{tenant} {KEY_DIGEST_PREFIX}{hashlib.sha256(key.encode()).hexdigest()}"

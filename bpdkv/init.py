@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from bpdkv import contracts
 from bpdkv.errors import UsageError
 from bpdkv.topology.profiles import find_profile, list_profiles, load_profile, suggest
 
@@ -97,8 +98,8 @@ def scaffold_topology(req: InitRequest) -> str:
         "",
         "kv_transfer:",
         "  bidirectional: true             # D keeps its KV after a turn; P pulls it on the next turn",
-        "  # decoder_kv_blocks_ttl: 480    # seconds D keeps finished KV (router TTL is derived from it)",
-        "  # kv_recompute_threshold: 64    # pull only when at least this many tokens would be reused",
+        f"  # decoder_kv_blocks_ttl: {contracts.DEFAULT_BLOCKS_TTL}    # seconds D keeps finished KV (router TTL is derived from it)",
+        f"  # kv_recompute_threshold: {contracts.DEFAULT_RECOMPUTE_THRESHOLD}    # pull only when at least this many tokens would be reused",
         "",
         "router:",
         "  state: memory                   # or redis://host:6379/0 to share sessions between routers",

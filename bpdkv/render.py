@@ -14,7 +14,6 @@ import yaml
 from bpdkv import __version__, contracts
 from bpdkv.errors import RenderError
 from bpdkv.resources import templates_dir
-from bpdkv.router.config import local_redis_conf
 from bpdkv.secrets import router_secret_files
 from bpdkv.topology.model import Instance, Node, Topology
 
@@ -59,13 +58,13 @@ def _env() -> jinja2.Environment:
 def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> dict[str, Any]:
     kv = topology.kv_transfer
     extra: dict[str, Any] = {
-        "backends": [kv.backend],
-        "bidirectional_kv_xfer": kv.bidirectional,
-        "kv_lease_duration": kv.kv_lease_duration,
+        contracts.EXTRA_BACKENDS: [kv.backend],
+        contracts.EXTRA_BIDIRECTIONAL: kv.bidirectional,
+        contracts.EXTRA_LEASE_DURATION: kv.kv_lease_duration,
     }
     if kv.bidirectional:
-        extra["decoder_kv_blocks_ttl"] = kv.decoder_kv_blocks_ttl
-        extra["kv_recompute_threshold"] = kv.kv_recompute_threshold
+        extra[contracts.EXTRA_BLOCKS_TTL] = kv.decoder_kv_blocks_ttl
+        extra[contracts.EXTRA_RECOMPUTE_THRESHOLD] = kv.kv_recompute_threshold
     config: dict[str, Any] = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer" if instance.role == "prefill" else "kv_consumer",
@@ -76,11 +75,9 @@ def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> di
     if kv.connector == "bpdkv":
         config["kv_connector"] = "BpdkvNixlConnector"
         config["kv_connector_module_path"] = BPDKV_CONNECTOR_MODULE
-        extra["unverified_reuse"] = kv.unverified_reuse
-        if instance.role == "decode" and instance.kv_hold_budget is not None:
-            from bpdkv.vllm_plugin.hold import HOLD_BUDGET_KEY  # unset: the plugin's own default applies
-
-            extra[HOLD_BUDGET_KEY] = instance.kv_hold_budget
+        extra[contracts.EXTRA_UNVERIFIED_REUSE] = kv.unverified_reuse
+        if instance.role == "decode" and instance.kv_hold_budget is not None:  # unset: the plugin's own default applies
+            extra[contracts.EXTRA_HOLD_BUDGET] = instance.kv_hold_budget
     return config
 
 
@@ -227,7 +224,7 @@ def render_topology(topology: Topology) -> list[Artifact]:
                 out.append(Artifact(node.name, config_path, 0o644, header + yaml.safe_dump(config, sort_keys=False), inst.name))
                 redis_port = _local_redis_port(topology, inst)
                 if redis_port is not None:
-                    conf = local_redis_conf(inst.name, redis_port, f"{STATE_DIR}/{inst.name}")
+                    conf = contracts.local_redis_conf(inst.name, redis_port, f"{STATE_DIR}/{inst.name}")
                     out.append(Artifact(node.name, config["local_redis_conf"], 0o644, conf, inst.name))
                 for file in router_secret_files(topology.router, inst.name, CONFIG_DIR)[1]:
                     if not any(a.host == node.name and a.path == file.path for a in out):  # the admin key: once per node

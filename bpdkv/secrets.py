@@ -411,7 +411,7 @@ def router_secret_files(router: Any, instance: str, config_dir: str) -> tuple[di
     The admin key and the Redis password are written as they are (apply and redis-py need them). Unresolved
     references (a plain `render`) write their placeholders.
     """
-    from bpdkv.router.security import hashed_key_line
+    from bpdkv.contracts import hashed_key_line
 
     config: dict[str, str] = {}
     files: list[NodeSecretFile] = []

@@ -12,6 +12,7 @@ import yaml
 from jsonschema import Draft202012Validator
 
 from bpdkv.contracts import ROUTER_DEFAULTS, ROUTER_HEALTH_DEFAULTS, ROUTER_TIMEOUT_DEFAULTS
+from bpdkv.contracts import local_redis_conf as local_redis_conf  # re-exported: the router's tests and benchmarks
 from bpdkv.errors import BpdkvError
 from bpdkv.resources import schemas_dir
 
@@ -164,20 +165,3 @@ def load_config(path: Path) -> RouterConfig:
     if not isinstance(data, dict):
         raise RouterConfigError(f"{path}: expected a mapping")
     return config_from_dict(data, str(path))
-
-
-def local_redis_conf(router: str, port: int, work_dir: str) -> str:
-    """redis-server config of the session store a multi-worker router runs for itself: loopback, no persistence
-    (sessions are worth seconds), bounded memory dropping the entries nearest to expiry first."""
-    return (
-        f"# Managed by bpdkv: session store of router {router} (its workers share sessions through it).\n"
-        "bind 127.0.0.1\n"
-        f"port {port}\n"
-        "protected-mode yes\n"
-        "daemonize no\n"
-        'save ""\n'
-        "appendonly no\n"
-        f"dir {work_dir}\n"
-        "maxmemory 512mb\n"
-        "maxmemory-policy volatile-ttl\n"
-    )

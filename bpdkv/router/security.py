@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bpdkv import contracts
+from bpdkv.contracts import hashed_key_line as hashed_key_line  # re-exported: the keys file's one format
 from bpdkv.errors import BpdkvError
 
 log = logging.getLogger("bpdkv.router.security")
 
-DIGEST_PREFIX = "sha256:"
+DIGEST_PREFIX = contracts.KEY_DIGEST_PREFIX
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -34,11 +36,6 @@ class SecurityConfigError(BpdkvError):
 
 def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
-
-
-def hashed_key_line(tenant: str, key: str) -> str:
-    """One line of a keys file as render writes it: the tenant and the key's digest, never the key."""
-    return f"{tenant} {DIGEST_PREFIX}{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 @dataclass(frozen=True)

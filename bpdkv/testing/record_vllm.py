@@ -176,10 +176,10 @@ class VllmCpuServer:
                 "kv_role": self.role,
                 "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": {
-                    "bidirectional_kv_xfer": True,
-                    "kv_recompute_threshold": self.threshold,
-                    "decoder_kv_blocks_ttl": self.ttl,
-                    "backends": ["UCX"],
+                    c.EXTRA_BIDIRECTIONAL: True,
+                    c.EXTRA_RECOMPUTE_THRESHOLD: self.threshold,
+                    c.EXTRA_BLOCKS_TTL: self.ttl,
+                    c.EXTRA_BACKENDS: ["UCX"],
                 },
             }
             if self.plugin:

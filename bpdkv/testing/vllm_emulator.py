@@ -47,9 +47,9 @@ class Held:
 class EmulatorSettings:
     role: str = "decode"  # "prefill" | "decode" | "both" (plain server)
     model: str = "emulated"
-    decoder_kv_blocks_ttl: float = 480.0
-    kv_recompute_threshold: int = 64
-    kv_lease_duration: float = 30.0
+    decoder_kv_blocks_ttl: float = float(contracts.DEFAULT_BLOCKS_TTL)
+    kv_recompute_threshold: int = contracts.DEFAULT_RECOMPUTE_THRESHOLD
+    kv_lease_duration: float = float(contracts.DEFAULT_LEASE_DURATION)
     kv_load_failure_policy: str = "fail"
     block_size: int = 16
     stream_params: bool = True  # False emulates stock vLLM: no kv_transfer_params in streams
@@ -834,7 +834,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--first-token-delay", type=float, default=0.0)
     ap.add_argument("--token-interval", type=float, default=0.0)
-    ap.add_argument("--ttl", type=float, default=480.0)
+    ap.add_argument("--ttl", type=float, default=float(contracts.DEFAULT_BLOCKS_TTL))
     ap.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (bounded lifetime)")
     args = ap.parse_args(argv)
     emus = [VllmEmulator(EmulatorSettings(role="prefill", decoder_kv_blocks_ttl=args.ttl)) for _ in range(args.prefill)]

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bpdkv.contracts import DEFAULT_HOLD_BUDGET
 from bpdkv.topology.model import DTYPE_BYTES, Instance, ModelSize, ModelSpec, Node, Topology, build_topology
 from bpdkv.topology.vllm_args import option_value
 
@@ -116,8 +117,6 @@ def _hold_budget(t: Topology, inst: Instance) -> float | None:
     """D's hold budget as the node plugin applies it: the topology's value, else the plugin's default."""
     if inst.role != "decode" or not t.kv_transfer.bidirectional or t.kv_transfer.connector != "bpdkv":
         return None
-    from bpdkv.vllm_plugin.hold import DEFAULT_HOLD_BUDGET  # stdlib-only module of the plugin: one default
-
     return inst.kv_hold_budget if inst.kv_hold_budget is not None else DEFAULT_HOLD_BUDGET
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bpdkv import contracts
 from bpdkv.secrets import ADMIN_KEY_PATH, parse_ref
 from bpdkv.topology.load import PathKey
 
@@ -295,15 +296,15 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         bidirectional=bool(k.get("bidirectional", True)),
         # bpdkv's token-verifying connector (bpdkv.vllm_plugin): upstream copies D's KV by position, unchecked.
         connector=k.get("connector", "bpdkv"),
-        decoder_kv_blocks_ttl=int(k.get("decoder_kv_blocks_ttl", 480)),
-        kv_recompute_threshold=int(k.get("kv_recompute_threshold", 64)),
-        kv_lease_duration=int(k.get("kv_lease_duration", 30)),
+        decoder_kv_blocks_ttl=int(k.get("decoder_kv_blocks_ttl", contracts.DEFAULT_BLOCKS_TTL)),
+        kv_recompute_threshold=int(k.get("kv_recompute_threshold", contracts.DEFAULT_RECOMPUTE_THRESHOLD)),
+        kv_lease_duration=int(k.get("kv_lease_duration", contracts.DEFAULT_LEASE_DURATION)),
         backend=k.get("backend", "LIBFABRIC" if any_efa else "UCX"),
         backend_explicit="backend" in k,
         allow_ucx_on_efa=bool(k.get("allow_ucx_on_efa", False)),
         kv_load_failure_policy=k.get("kv_load_failure_policy", "fail"),
         side_channel_base_port=int(k.get("side_channel_base_port", DEFAULT_SIDE_CHANNEL_BASE_PORT)),
-        unverified_reuse=k.get("unverified_reuse", "refuse"),
+        unverified_reuse=k.get("unverified_reuse", contracts.DEFAULT_UNVERIFIED_REUSE),
     )
     r = doc.get("router", {})
     margin = int(r.get("ttl_margin", 10))

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+from bpdkv import contracts
 from bpdkv.vllm_plugin import decide, digests, fence, handshake, hold
 from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, require_supported
 
@@ -140,9 +141,9 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
     def __init__(self, vllm_config: Any, role: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, role, *args, **kwargs)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        self._unverified_reuse = str(extra.get("unverified_reuse", "refuse"))
+        self._unverified_reuse = str(extra.get(contracts.EXTRA_UNVERIFIED_REUSE, contracts.DEFAULT_UNVERIFIED_REUSE))
         self._expiry_guard = float(extra.get("bpdkv_expiry_guard", decide.DEFAULT_EXPIRY_GUARD))
-        self._ttl = float(extra.get("decoder_kv_blocks_ttl", 480))
+        self._ttl = float(extra.get(contracts.EXTRA_BLOCKS_TTL, contracts.DEFAULT_BLOCKS_TTL))
         self._block_size = int(vllm_config.cache_config.block_size)
         self._stats = BpdkvStats()
         worker = getattr(self, "connector_worker", None)
@@ -172,7 +173,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._read_budget = float(extra.get(fence.READ_BUDGET_KEY, fence.DEFAULT_READ_BUDGET))
         port = extra.get(fence.FENCE_PORT_KEY)
         self._fence_port = None if port is None else int(port)  # None: the NIXL side-channel port number, over UDP
-        self._recompute_threshold = int(extra.get("kv_recompute_threshold", 64))  # upstream's default
+        self._recompute_threshold = int(extra.get(contracts.EXTRA_RECOMPUTE_THRESHOLD, contracts.DEFAULT_RECOMPUTE_THRESHOLD))
         # Tests only: a request may name a file P waits for between its pin and its read (a release lands in between).
         self._test_hooks = bool(extra.get(TEST_HOOKS_KEY, False))
         self._fence: fence.FenceServer | None = None

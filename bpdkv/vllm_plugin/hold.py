@@ -26,18 +26,15 @@ from dataclasses import dataclass
 
 from bpdkv import contracts
 
-# kv_connector_extra_config keys (rendered from the topology's decode instance)
-HOLD_BUDGET_KEY = "bpdkv_hold_budget"  # share of D's KV cache blocks that finished requests may hold, (0, 1]
+# kv_connector_extra_config key (rendered from the topology's decode instance) and its default: bpdkv/contracts.py
+HOLD_BUDGET_KEY = contracts.EXTRA_HOLD_BUDGET
+DEFAULT_HOLD_BUDGET = contracts.DEFAULT_HOLD_BUDGET
 # Wire keys in kv_transfer_params (bpdkv/contracts.py says who sends each).
 HOLD_KEY = contracts.HOLD
 RELEASE_KEY = contracts.RELEASE_REQUEST_IDS
 RELEASED_KEY = contracts.RELEASED_REQUEST_IDS
 PULL_OUTCOME_KEY = contracts.PULL_OUTCOME
 
-# Why the default budget is a half (benchmarks/results/gpu-h200x2/session3/README.md): D must keep room for its
-# live decodes (their KV grows every step) and for the next turns' prefills it pulls from P; held blocks beyond a
-# half only raise reuse hits for conversations idle long enough that P's own cache covers most of them.
-DEFAULT_HOLD_BUDGET = 0.5
 ANNOUNCE_MAX = 512  # released ids kept for announcement (a router that misses some falls back on the digest check)
 # A pin is refused when the hold's TTL ends within the lease plus this: the worker frees TTL-expired blocks on its
 # own clock (the same monotonic clock, stamped microseconds earlier), so a pin must end well before the TTL does.

@@ -187,7 +187,7 @@ def test_hold_budget_warning_and_rendering(tmp_path: Path) -> None:
 
 
 def test_hold_budget_defaults_to_the_plugins_and_only_on_decode(tmp_path: Path) -> None:
-    from bpdkv.vllm_plugin.hold import DEFAULT_HOLD_BUDGET
+    from bpdkv.contracts import DEFAULT_HOLD_BUDGET
 
     path = tmp_path / "hb.yaml"
     path.write_text(
