@@ -478,8 +478,7 @@ def apply(
     """Make the fleet match TARGET (a topology, or a plan saved with `plan --out`, which runs exactly as saved)."""
     from rich.console import Console
 
-    from bpdkv.deploy.fleet import check_saved_plan, load_fleet, load_saved_plan, lock_owner, plan_fleet
-    from bpdkv.deploy.runner import ApplyOptions
+    from bpdkv.deploy.fleet import ApplyOptions, check_saved_plan, load_fleet, load_saved_plan, lock_owner, plan_fleet
 
     connect = _connect(accept_new_host_keys, command_timeout)
     saved = None

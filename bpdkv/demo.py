@@ -134,8 +134,7 @@ def place_model(model_dir: Path, host_fs: Path, target: str) -> None:
 def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> int:
     """The whole demo; returns the exit code. Everything it starts is torn down on the way out."""
     from bpdkv.deploy.bootstrap import BootstrapError, Wheelhouse, build_wheelhouse
-    from bpdkv.deploy.fleet import apply_plan, destroy, load_fleet, lock_owner, plan_fleet, plan_summary, wheelhouse_path
-    from bpdkv.deploy.runner import ApplyOptions
+    from bpdkv.deploy.fleet import ApplyOptions, apply_plan, destroy, load_fleet, lock_owner, plan_fleet, plan_summary, wheelhouse_path
     from bpdkv.lab.hosts import TestHosts
 
     example = example_path()
