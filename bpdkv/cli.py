@@ -693,6 +693,24 @@ def calibrate(
 @click.option("--model", default=None, help="Model name to send (default: the router's).")
 @click.option("--reuse", "reuse_modes", type=click.Choice(["on", "off", "both"]), default="both", show_default=True)
 @click.option(
+    "--paths",
+    "paths_modes",
+    type=click.Choice(["pull-only", "auto", "both"]),
+    default="pull-only",
+    show_default=True,
+    help="auto: the router may continue short turns on D (decode_local); pull-only: every turn through P.",
+)
+@click.option(
+    "--workload",
+    "shape",
+    type=click.Choice(["uniform", "agentic"]),
+    default="uniform",
+    show_default=True,
+    help="agentic: a 4-16k first prompt, tool results of 50-500 tokens, a 2-8k document in 10%% of turns (sizes x --scale).",
+)
+@click.option("--scale", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True), help="Agentic sizes times this.")
+@click.option("--json", "print_json", is_flag=True, help="Print each mode's headline figures as one JSON document.")
+@click.option(
     "--prefill-cache",
     "p_cache_modes",
     type=click.Choice(["on", "off", "both"]),
@@ -733,6 +751,10 @@ def bench(
     seed: int,
     model: str | None,
     reuse_modes: str,
+    paths_modes: str,
+    shape: str,
+    scale: float,
+    print_json: bool,
     p_cache_modes: str,
     metrics_urls: tuple[str, ...],
     prefill_urls: tuple[str, ...],
@@ -792,6 +814,8 @@ def bench(
         seed,
         model=model,
         mark_last_turn=mark_last_turn,
+        shape=shape,
+        scale=scale,
     )
     sustained = None if duration is None else SustainedSpec(duration * 60, ToolLatency(think_median, think_sigma))
     with Progress(transient=True) as bar:
@@ -800,11 +824,14 @@ def bench(
             task = bar.add_task(label, total=None if sustained else total)
             return lambda n: bar.advance(task, n)
 
-        run = modes.run_modes(url, spec, modes.modes(reuse_modes, p_cache_modes), servers, sustained, progress)
-    for summary in run.summaries:
-        click.echo(report.table(summary))
-    for line in run.ratio_lines():
-        click.echo(line)
+        run = modes.run_modes(url, spec, modes.modes(reuse_modes, p_cache_modes, paths_modes), servers, sustained, progress)
+    if print_json:
+        click.echo(json.dumps(run.headline(), indent=2))
+    else:
+        for summary in run.summaries:
+            click.echo(report.table(summary))
+        for line in run.ratio_lines():
+            click.echo(line)
     run.write(out_file, plot_file)
     if run.not_fresh:
         (click.echo if allow_warm else _red)(f"not a fresh start (P already held their prompts): {', '.join(run.not_fresh)}")

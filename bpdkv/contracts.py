@@ -39,6 +39,18 @@ HOLD: Final = "bpdkv_hold"
 RELEASE_REQUEST_IDS: Final = "bpdkv_release_request_ids"
 # P → router, on P's answer: what became of the offered D blocks (verified, cut, mismatch, expiring, unverified_*).
 PULL_OUTCOME: Final = "bpdkv_pull_outcome"
+# Router → D, in a continued turn's params (path decode_local: the turn goes straight to the D that holds the
+# conversation, no P): compute the new tokens from your own prefix cache, then hold the result and return its location
+# exactly as after a P/D turn (do_remote_decode true, remote_block_ids, …) so the next turn can again go either way.
+# Sent with RELEASE_REQUEST_IDS naming the previous hold (superseded: its blocks are this turn's prefix) and, when
+# no turn follows, HOLD false. A D without the plugin ignores it: it serves the turn from its cache and holds nothing.
+LOCAL_TURN: Final = "bpdkv_local_turn"
+# D → router, on a continued turn's answer (optional): prompt tokens D found in its own prefix cache.
+LOCAL_CACHED_TOKENS: Final = "bpdkv_local_cached_tokens"
+# P → router, on P's answer: how many prompt tokens P read from D's blocks for this request (0: nothing read — its own
+# prefix cache covered them, the pull was under kv_recompute_threshold, or it was refused). A turn is a reuse `hit` only
+# when this is > 0.
+PULLED_TOKENS: Final = "bpdkv_pulled_tokens"
 
 
 def prefill_template() -> dict[str, Any]:
@@ -83,6 +95,9 @@ SWITCH_OFF: Final = "off"
 # it and the router stores nothing (no later turn will pull), so D's hold budget stays free for live conversations.
 LAST_TURN_HEADER: Final = "x-bpdkv-last-turn"  # value "true" (or "1", "yes")
 LAST_TURN_VALUES: Final = frozenset({"true", "1", "yes"})
+# Benchmark switch, per request: "pull-only" = never continue this turn on D (path decode_local off), for A/B runs.
+PATHS_HEADER: Final = "x-bpdkv-paths"
+PATHS_PULL_ONLY: Final = "pull-only"
 
 # ---- router config (schemas/router.schema.json): keys written by render, read by the router --------------------------
 ROUTER_DEFAULTS: Final[dict[str, Any]] = {
@@ -102,6 +117,19 @@ ROUTER_DEFAULTS: Final[dict[str, Any]] = {
 # Seconds (whole numbers, so the rendered YAML stays as people write it).
 ROUTER_TIMEOUT_DEFAULTS: Final[dict[str, float]] = {"connect": 5, "prefill": 600, "decode_first_byte": 600, "decode_idle": 300}
 ROUTER_HEALTH_DEFAULTS: Final[dict[str, float]] = {"interval": 5, "failures_to_eject": 3, "backoff_max": 60}
+# Per-turn paths (router.paths): a continued turn of at most local_max_tokens new tokens (estimated: exact for token-id
+# prompts, else UTF-8 bytes of the new messages / chars_per_token plus per-message template overhead) runs on the D
+# that holds the conversation, while D's engine is not queueing (waiting ≤ local_max_waiting), its KV cache usage is
+# under local_max_kv_usage and the local prefills already in flight on it stay within local_max_tokens; 0 = off.
+ROUTER_PATHS_DEFAULTS: Final[dict[str, float]] = {
+    "local_max_tokens": 512,
+    "chars_per_token": 3.0,
+    "local_max_waiting": 0,
+    "local_max_kv_usage": 0.9,
+    "load_interval": 1.0,  # seconds between reads of each engine's /metrics (running, waiting, KV usage); 0 = never
+}
+# Slow clients: seconds for a request head (from the connection or the previous response) and for its whole body → 408.
+ROUTER_CLIENT_TIMEOUT_DEFAULTS: Final[dict[str, float]] = {"header": 10, "body": 60}
 # Redis the router node runs for itself when workers > 1 and the topology names no external Redis.
 LOCAL_REDIS_PORT: Final = 6390
 LOCAL_REDIS_URL: Final = f"redis://127.0.0.1:{LOCAL_REDIS_PORT}/0"

@@ -65,6 +65,21 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "hit: P was handed D's blocks; miss/expired/refused/...: why not.",
             ),
             Panel(
+                "Paths per turn",
+                "reqps",
+                (Query(f"sum by (path) (rate(bpdkv_router_paths_total{{{SEL}}}{RATE}))", "{{path}}"),),
+                "decode_local: continued on the D that holds it (no P); prefill_pull: P pulled the history from D; prefill_full: computed.",
+            ),
+            Panel(
+                "Engine load the router sees",
+                "short",
+                (
+                    Query(f"max by (upstream) (bpdkv_router_engine_running{{{SEL}}})", "running {{upstream}}"),
+                    Query(f"max by (upstream) (bpdkv_router_engine_waiting{{{SEL}}})", "waiting {{upstream}}"),
+                ),
+                "Each engine's own /metrics, read about once a second: placement and the decode_local decision use it.",
+            ),
+            Panel(
                 "Upstream latency (P: whole request, D: to first byte)",
                 "s",
                 _quantiles("bpdkv_router_upstream_seconds", SEL, "role", "{{role}}"),

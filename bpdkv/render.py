@@ -152,6 +152,7 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         "health": dict(contracts.ROUTER_HEALTH_DEFAULTS),
         **router_secret_files(r, instance.name, CONFIG_DIR)[0],  # paths of key, password and TLS files
         **router_workers(topology, instance),
+        **({"paths": dict(r.paths)} if r.paths else {}),  # per-turn paths: only what the topology sets
     }
 
 

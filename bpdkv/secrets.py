@@ -44,7 +44,16 @@ MIN_SECRET_LENGTH = 4
 
 
 class SecretError(BpdkvError):
-    """A secret reference could not be resolved. The message names the reference, never a value."""
+    """A secret reference could not be resolved. The message names the reference, never a value.
+
+    `problems`: one line per unresolvable reference when several failed in one run (each printed on its own line)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = list(problems) if problems else [message]
+
+    def lines(self) -> list[str]:
+        return list(self.problems)
 
 
 class SecretRef(str):
@@ -280,7 +289,8 @@ def resolve_topology(model: T, resolver: Resolver | None = None) -> T:
 
     resolved = _walk(model, visit)
     if errors:
-        raise SecretError("; ".join(errors))
+        summary = errors[0] if len(errors) == 1 else f"{len(errors)} secret references could not be resolved"
+        raise SecretError(summary, errors)
     return resolved  # type: ignore[no-any-return]
 
 

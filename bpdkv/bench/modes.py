@@ -1,4 +1,7 @@
-"""`bpdkv bench`: the compared modes (reuse on/off × P cache on/off), each from the same state.
+"""`bpdkv bench`: the compared modes (reuse on/off × P cache on/off × paths auto/pull-only), each from the same state.
+
+paths: `pull-only` sends every turn through P (X-Bpdkv-Paths: pull-only; the labels without a paths part), `auto`
+lets the router continue short turns on D (decode_local; labels end in /paths-auto). Reuse off has one path only.
 
 Same state = no mode finds its prompts already on P: each mode draws its own prompts (its seed is derived from the
 mode, so two invocations on one fleet never repeat each other's prompts either), and P's cache hits during turn 1
@@ -24,17 +27,25 @@ from bpdkv.bench.workload import WorkloadSpec
 MODES = (("on", "on"), ("on", "off"), ("off", "on"), ("off", "off"))  # (reuse, P cache); the index salts the seed
 
 
+PATHS = ("pull-only", "auto")
+AUTO_SEEDS = 1_000_000  # auto modes draw prompts of their own: never the pull-only modes' (P would find them cached)
+
+
 @dataclass(frozen=True)
 class Mode:
     reuse: str
     p_cache: str
+    paths: str = "pull-only"
 
     @property
     def label(self) -> str:
-        return f"reuse-{self.reuse}/prefill-cache-{self.p_cache}"
+        base = f"reuse-{self.reuse}/prefill-cache-{self.p_cache}"
+        return base + "/paths-auto" if self.paths == "auto" else base
 
     def headers(self) -> dict[str, str]:
         out = {}
+        if self.paths == "pull-only":
+            out[contracts.PATHS_HEADER] = contracts.PATHS_PULL_ONLY
         if self.reuse == "off":
             out[contracts.REUSE_HEADER] = contracts.SWITCH_OFF
         if self.p_cache == "off":
@@ -42,12 +53,13 @@ class Mode:
         return out
 
     def seed(self, base: int) -> int:
-        return base * len(MODES) + MODES.index((self.reuse, self.p_cache))
+        return base * len(MODES) + MODES.index((self.reuse, self.p_cache)) + (AUTO_SEEDS if self.paths == "auto" else 0)
 
 
-def modes(reuse: str, p_cache: str) -> list[Mode]:
+def modes(reuse: str, p_cache: str, paths: str = "pull-only") -> list[Mode]:
     pick = {"both": ("on", "off"), "on": ("on",), "off": ("off",)}
-    return [Mode(r, c) for r in pick[reuse] for c in pick[p_cache]]
+    ways = PATHS if paths == "both" else (paths,)
+    return [Mode(r, c, w) for r in pick[reuse] for c in pick[p_cache] for w in (ways if r == "on" else ("pull-only",))]
 
 
 @dataclass
@@ -78,7 +90,27 @@ class BenchRun:
                     f"prefill cache {p_cache}, turns >= 2, reuse off/on (same run): TTFT mean {fmt(r['ttft_turns_ge_2_mean_ratio'])}, "
                     f"median {fmt(r['ttft_turns_ge_2_median_ratio'])}, p99 {fmt(r['ttft_turns_ge_2_p99_ratio'])}"
                 )
+            auto = next((s for s in self.summaries if s["label"] == Mode("on", p_cache, "auto").label), None)
+            if on and auto:
+                p = report.compare_paths(auto, on)
+                lines.append(
+                    f"prefill cache {p_cache}, paths auto vs pull-only (same run): short-turn TTFT mean {p['short_ttft_mean_ratio']}, "
+                    f"ITL p99 {p['itl_p99_ratio']}, turns/min {p['turns_per_minute_ratio']} (auto / pull-only)"
+                )
         return lines
+
+    def headline(self) -> dict[str, Any]:
+        """Each mode's headline figures (seconds), and the same-run ratios of paths auto vs pull-only."""
+        keys = ("requests", "errors", "wall_s", "ttft_turns_ge_2", "ttft_short_turns", "ttft_doc_turns", "itl_gaps", "turns_per_minute")
+        out: dict[str, Any] = {"target": self.url, "modes": {s["label"]: {k: s.get(k) for k in keys} for s in self.summaries}}
+        pairs = []
+        for s in self.summaries:
+            if s["label"].endswith("/paths-auto"):
+                pull = next((x for x in self.summaries if x["label"] == s["label"].removesuffix("/paths-auto")), None)
+                if pull is not None:
+                    pairs.append(report.compare_paths(s, pull))
+        out["paths_auto_vs_pull_only"] = pairs
+        return out
 
     def write(self, out_file: Path | None, plot_file: Path | None) -> None:
         if out_file:

@@ -95,6 +95,12 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "ttft": _stats([s.ttft or 0.0 for s in ok]),
         "ttft_turns_ge_2": _stats([s.ttft or 0.0 for s in ok if s.turn >= 1]),
         "itl": _stats([s.itl for s in ok if s.itl is not None]),
+        # Every inter-token gap of every stream: its p99 is what D's concurrent streams suffered (local prefills included).
+        "itl_gaps": _stats(result.gaps),
+        # Agentic shape: tool-result turns (50-500 tokens) and document turns apart; turns completed per minute.
+        "ttft_short_turns": _stats([s.ttft or 0.0 for s in ok if s.turn >= 1 and s.kind in ("tool", "turn")]),
+        "ttft_doc_turns": _stats([s.ttft or 0.0 for s in ok if s.kind == "doc"]),
+        "turns_per_minute": 60.0 * len(ok) / result.wall_s if result.wall_s else None,
         "e2e": _stats([s.e2e for s in ok]),
         "ttft_by_turn": {str(t): _stats(v) for t, v in sorted(by_turn.items())},
         "ttft_by_history": {k: _stats(v) for k, v in sorted(by_hist.items(), key=lambda kv: int(kv[0].split("-")[0]))},
@@ -122,6 +128,11 @@ def table(summary: dict[str, Any]) -> str:
     lines.append("history        n   TTFT p50 ms   TTFT p90 ms")
     for bucket, s in summary["ttft_by_history"].items():
         lines.append(f"{bucket:>12} {s['n']:>3}   {ms(s['median'])}      {ms(s['p90'])}")
+    short, itl = summary.get("ttft_short_turns") or {}, summary.get("itl_gaps") or {}
+    if short.get("n"):
+        lines.append(f"short turns (tool results) n {short['n']}: TTFT mean {ms(short['mean'])} ms, p99 {ms(short['p99'])} ms")
+    if itl.get("n"):
+        lines.append(f"inter-token gaps n {itl['n']}: p50 {ms(itl['median'])} ms, p99 {ms(itl['p99'])} ms")
     fresh = summary.get("fresh_start")
     if fresh:
         verdict = "fresh" if fresh["fresh"] else "NOT FRESH: P already held this mode's prompts"
@@ -217,6 +228,22 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "ttft_turns_ge_2_p99_ratio": ratio(a["ttft_turns_ge_2"].get("p99"), b["ttft_turns_ge_2"].get("p99")),
         "by_turn": {t: ratio(a["ttft_by_turn"].get(t, {}).get("median"), s["median"]) for t, s in b["ttft_by_turn"].items()},
         "by_history": {k: ratio(a["ttft_by_history"].get(k, {}).get("median"), s["median"]) for k, s in b["ttft_by_history"].items()},
+    }
+
+
+def compare_paths(auto: dict[str, Any], pull: dict[str, Any]) -> dict[str, Any]:
+    """auto / pull-only ratios of one run (issue 22's targets: short-turn TTFT mean <= 0.5, ITL p99 <= 1.15,
+    turns per minute >= 1)."""
+
+    def ratio(x: Any, y: Any) -> float | None:
+        return None if not x or not y else round(x / y, 3)
+
+    return {
+        "a": auto["label"],
+        "b": pull["label"],
+        "short_ttft_mean_ratio": ratio(auto["ttft_short_turns"]["mean"], pull["ttft_short_turns"]["mean"]),
+        "itl_p99_ratio": ratio(auto["itl_gaps"]["p99"], pull["itl_gaps"]["p99"]),
+        "turns_per_minute_ratio": ratio(auto["turns_per_minute"], pull["turns_per_minute"]),
     }
 
 

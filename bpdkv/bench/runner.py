@@ -65,6 +65,8 @@ class Sample:
     output_tokens: int
     error: str | None = None
     started: float = 0.0  # seconds since the run began
+    new_tokens: int = 0  # what this turn added to the conversation (workload.Conversation.turn_size)
+    kind: str = ""  # first | turn | tool | doc
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class RunResult:
     wall_s: float = 0.0
     fresh: FreshState | None = None
     timeline: list[dict[str, float]] = field(default_factory=list)  # sustained mode: D's gauges over time
+    gaps: list[float] = field(default_factory=list)  # every inter-token gap of every stream (ITL percentiles)
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ def d_gauges(scraped: dict[str, dict[str, float]], decode: list[str]) -> dict[st
 
 async def one_request(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str], timeout: float
-) -> tuple[Sample, str, list[int]]:
+) -> tuple[Sample, str, list[int], list[float]]:
+    """One request: its sample, the text and token ids it answered, and its inter-token gaps (seconds)."""
     route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     start = time.perf_counter()
     first: float | None = None
@@ -166,7 +170,7 @@ async def one_request(
     async with session.post(url + route, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
         if resp.status != 200:
             detail = (await resp.text())[:200]
-            return Sample(-1, -1, 0, None, None, time.perf_counter() - start, 0, f"HTTP {resp.status}: {detail}"), "", []
+            return Sample(-1, -1, 0, None, None, time.perf_counter() - start, 0, f"HTTP {resp.status}: {detail}"), "", [], []
         if not body.get("stream"):
             data = await resp.json()
             first = time.perf_counter() - start
@@ -192,7 +196,9 @@ async def one_request(
                                 token_ids += ids
     e2e = time.perf_counter() - start
     itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-    return Sample(-1, -1, 0, first, itl, e2e, max(len(stamps), len(token_ids))), "".join(text), token_ids
+    sample = Sample(-1, -1, 0, first, itl, e2e, max(len(stamps), len(token_ids)))
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return sample, "".join(text), token_ids, gaps
 
 
 async def conversation_turns(
@@ -219,10 +225,12 @@ async def conversation_turns(
         if conv.spec.mark_last_turn and turn == conv.spec.turns - 1:
             sent = {**headers, contracts.LAST_TURN_HEADER: "true"}
         try:
-            sample, text, ids = await one_request(session, url, body, sent, timeout)
+            sample, text, ids, gaps = await one_request(session, url, body, sent, timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            sample, text, ids = Sample(-1, -1, 0, None, None, 0.0, 0, type(exc).__name__), "", []
+            sample, text, ids, gaps = Sample(-1, -1, 0, None, None, 0.0, 0, type(exc).__name__), "", [], []
         sample.conversation, sample.turn, sample.history_tokens, sample.started = conv.index, turn, history, started
+        sample.new_tokens, sample.kind = conv.new_tokens, conv.kind
+        result.gaps += gaps
         result.samples.append(sample)
         if progress:
             progress(1)

@@ -11,7 +11,13 @@ from typing import Any
 import yaml
 from jsonschema import Draft202012Validator
 
-from bpdkv.contracts import ROUTER_DEFAULTS, ROUTER_HEALTH_DEFAULTS, ROUTER_TIMEOUT_DEFAULTS
+from bpdkv.contracts import (
+    ROUTER_CLIENT_TIMEOUT_DEFAULTS,
+    ROUTER_DEFAULTS,
+    ROUTER_HEALTH_DEFAULTS,
+    ROUTER_PATHS_DEFAULTS,
+    ROUTER_TIMEOUT_DEFAULTS,
+)
 from bpdkv.contracts import local_redis_conf as local_redis_conf  # re-exported: the router's tests and benchmarks
 from bpdkv.errors import BpdkvError
 from bpdkv.resources import schemas_dir
@@ -33,6 +39,25 @@ class Timeouts:
     prefill: float = ROUTER_TIMEOUT_DEFAULTS["prefill"]
     decode_first_byte: float = ROUTER_TIMEOUT_DEFAULTS["decode_first_byte"]
     decode_idle: float = ROUTER_TIMEOUT_DEFAULTS["decode_idle"]
+
+
+@dataclass(frozen=True)
+class ClientTimeouts:
+    """Slow clients (408, connection closed): the request head, from the connection or the previous response; the body."""
+
+    header: float = ROUTER_CLIENT_TIMEOUT_DEFAULTS["header"]
+    body: float = ROUTER_CLIENT_TIMEOUT_DEFAULTS["body"]
+
+
+@dataclass(frozen=True)
+class PathSettings:
+    """Per-turn paths (router/paths.py): when a continued turn runs on the D that holds it (decode_local)."""
+
+    local_max_tokens: int = int(ROUTER_PATHS_DEFAULTS["local_max_tokens"])  # 0: every turn through P
+    chars_per_token: float = ROUTER_PATHS_DEFAULTS["chars_per_token"]
+    local_max_waiting: int = int(ROUTER_PATHS_DEFAULTS["local_max_waiting"])
+    local_max_kv_usage: float = ROUTER_PATHS_DEFAULTS["local_max_kv_usage"]
+    load_interval: float = ROUTER_PATHS_DEFAULTS["load_interval"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +88,8 @@ class RouterConfig:
     backend_api_key_env: str | None = ROUTER_DEFAULTS["backend_api_key_env"]
     timeouts: Timeouts = field(default_factory=Timeouts)
     health: HealthSettings = field(default_factory=HealthSettings)
+    client_timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
+    paths: PathSettings = field(default_factory=PathSettings)
     topology: str | None = None
     workers: int | str = ROUTER_DEFAULTS["workers"]  # N or "auto" (= the node's cores)
     max_body_bytes: int = ROUTER_DEFAULTS["max_body_bytes"]
@@ -142,6 +169,8 @@ def _build(data: dict[str, Any]) -> RouterConfig:
         backend_api_key_env=data.get("backend_api_key_env", ROUTER_DEFAULTS["backend_api_key_env"]),
         timeouts=Timeouts(**data.get("timeouts", {})),
         health=HealthSettings(**data.get("health", {})),
+        client_timeouts=ClientTimeouts(**data.get("client_timeouts", {})),
+        paths=PathSettings(**data.get("paths", {})),
         topology=data.get("topology"),
         workers=data.get("workers", ROUTER_DEFAULTS["workers"]),
         max_body_bytes=int(data.get("max_body_bytes", ROUTER_DEFAULTS["max_body_bytes"])),

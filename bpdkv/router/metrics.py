@@ -17,6 +17,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -46,6 +47,40 @@ class RouterMetrics:
             "bpdkv_router_last_turns", "Turns the client marked last (X-Bpdkv-Last-Turn): not stored, D told not to hold", registry=r
         )
         self.released = Counter("bpdkv_router_released_holds", "Held D blocks D announced it let go (never offered again)", registry=r)
+        self.paths = Counter(
+            "bpdkv_router_paths",
+            "Turns by path (decode_local, prefill_pull, prefill_full) and the reason it was taken",
+            ["path", "reason"],
+            registry=r,
+        )
+        self.new_tokens = Histogram(
+            "bpdkv_router_turn_new_tokens",
+            "Estimated new tokens of continued turns (beyond the stored history), by the path taken",
+            ["path"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.engine_running = Gauge(
+            "bpdkv_router_engine_running",
+            "Requests running on the engine (its /metrics)",
+            ["role", "upstream"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.engine_waiting = Gauge(
+            "bpdkv_router_engine_waiting",
+            "Requests waiting in the engine (its /metrics)",
+            ["role", "upstream"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.engine_kv_usage = Gauge(
+            "bpdkv_router_engine_kv_usage",
+            "Engine KV cache usage, 0..1 (its /metrics)",
+            ["role", "upstream"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.rejected = Counter("bpdkv_router_rejected", "Requests the router refused before any upstream saw them", ["reason"], registry=r)
         self.d_params_missing = Counter(
             "bpdkv_router_d_params_missing", "D finished without returning kv_transfer_params (unpatched streaming?)", registry=r

@@ -75,6 +75,7 @@ def _reuse_port_socket(host: str, port: int) -> socket.socket:
 
 def serve_one(config: RouterConfig, log_level: str, reuse_port: bool = False) -> None:
     from bpdkv.router.app import Router
+    from bpdkv.router.intake import http_protocol
     from bpdkv.router.security import ReloadingTLS, uvicorn_tls
 
     # A router process allocates a few hundred short-lived containers per request: with Python's default threshold
@@ -98,7 +99,8 @@ def serve_one(config: RouterConfig, log_level: str, reuse_port: bool = False) ->
         # Named, not "auto": the relay writes D's bytes to httptools-protocol transports (relay._direct_cycle), and
         # uvloop runs the loop; a missing one is an install error, not a silent slow path.
         loop="uvloop",
-        http="httptools",
+        # httptools' protocol with a header-read timeout (slow clients get 408 and are closed): router/intake.py.
+        http=http_protocol(config.client_timeouts.header),
     )
     if config.tls_cert_file and config.tls_key_file:
         uvicorn_tls(uv_config, ReloadingTLS(config.tls_cert_file, config.tls_key_file))

@@ -209,7 +209,8 @@ class Identity:
 # this request really got. The router's lookup only predicts; a hold D released, an expiring lease, blocks that did
 # not match at all show only in P's answer.
 # "cut" is not among them: P cuts at the end of most turns too (the re-rendered assistant message differs from D's
-# sampled tail in the last block), so a cut alone cannot tell a dropped thought from an ordinary hit.
+# sampled tail in the last block), so a cut alone cannot tell a dropped thought from an ordinary hit; what P read
+# (`bpdkv_pulled_tokens`) decides instead.
 _PULL_SETTLES: dict[str, Reuse] = {
     "mismatch": Reuse.MISMATCH,
     "expiring": Reuse.EXPIRED,
@@ -220,17 +221,28 @@ _PULL_SETTLES: dict[str, Reuse] = {
     "unfenced_refused": Reuse.REFUSED,
     "unverified_refused": Reuse.REFUSED,
 }
+# Outcomes after which P may have read D's blocks; with any other, nothing of D's was read.
+_MAY_HAVE_READ = frozenset({"verified", "cut", "unverified_allowed"})
 
 
-def settle(predicted: Reuse, pull_outcome: object, fell_back: bool) -> Reuse:
+def settle(predicted: Reuse, pull_outcome: object, fell_back: bool, pulled_tokens: object = None) -> Reuse:
     """The reuse outcome once P has answered: P failed with D's params (and ran without them) → refused; otherwise
-    what P's connector did with the blocks decides; a P that says nothing (no bpdkv plugin) leaves the prediction."""
+    what P's connector did with the blocks decides; a P that says nothing (no bpdkv plugin) leaves the prediction.
+
+    A turn stays `hit` (or `partial`) only if P read D's blocks: P's count of tokens read (`bpdkv_pulled_tokens`) of 0
+    — its own prefix cache covered them, or the pull was under the recompute threshold — is a `miss`, whatever the
+    outcome (a cut that read nothing included). A P that reports an outcome but no count (a plugin before the count)
+    keeps the prediction for `verified` and `cut`."""
     if predicted not in (Reuse.HIT, Reuse.PARTIAL):
         return predicted
     if fell_back:
         return Reuse.REFUSED
     if isinstance(pull_outcome, str) and pull_outcome in _PULL_SETTLES:
         return _PULL_SETTLES[pull_outcome]
+    if type(pulled_tokens) is int:
+        return predicted if pulled_tokens > 0 else Reuse.MISS
+    if isinstance(pull_outcome, str) and pull_outcome not in _MAY_HAVE_READ:
+        return Reuse.MISS  # e.g. "none": P saw no D location at all
     return predicted
 
 

@@ -30,6 +30,18 @@ UPSTREAM_ERRORS = (UpstreamFailure,)
 
 
 # ---- the protocol steps (prefill_body, decode_body, params_of: bpdkv.turn_client) ----------------------------------
+def local_params(held: dict[str, Any], hold: bool = True) -> dict[str, Any]:
+    """A continued turn's params for the D that holds the conversation (path decode_local): compute from your own
+    cache, hold the result again (unless hold=False: no turn follows), and let the previous hold go (superseded)."""
+    params: dict[str, Any] = {contracts.LOCAL_TURN: True}
+    previous = held.get(contracts.REMOTE_REQUEST_ID)
+    if isinstance(previous, str):
+        params[contracts.RELEASE_REQUEST_IDS] = [previous]
+    if not hold:
+        params[contracts.HOLD] = False
+    return params
+
+
 def usable_d_params(params: Any) -> bool:
     """D's returned params are reusable only if they point at blocks P can pull."""
     return (
@@ -168,7 +180,7 @@ class PdTurn:
                     # The pull may be what failed (D restarted, blocks expired or freed): never the client's problem.
                     reason = got if isinstance(got, str) else f"http_{got.status}"
                     self.metrics.reuse_fallbacks.labels(reason).inc()
-                    self._distrust(d_params, d_holder)
+                    self.distrust(d_params, d_holder)
                     d_params, fell_back = None, True
                     continue
                 break
@@ -188,25 +200,37 @@ class PdTurn:
             return Prefilled(params, member, fell_back)
         return NoUpstream(f"no prefill upstream succeeded ({last})")
 
-    def _distrust(self, d_params: dict[str, Any], holder: str | None) -> None:
+    def distrust(self, d_params: dict[str, Any], holder: str | None) -> None:
         member = self.decode_pool.member(holder) if holder else None
         engine = d_params.get(contracts.REMOTE_ENGINE_ID)
         if member is not None and isinstance(engine, str):
             member.suspect_engine = engine
 
-    def observe_decode(self, member: Upstream, params: dict[str, Any] | None) -> None:
-        engine = params.get(contracts.REMOTE_ENGINE_ID) if params else None
-        if isinstance(engine, str):
-            member.observe_engine(engine, self.clock(), fresh=True)
-
     async def decode(
         self, route: str, body: dict[str, Any], p_params: dict[str, Any] | None, headers: dict[str, str], stream: bool, hold: bool = True
     ) -> DecodedWhole | DecodeStream | Passthrough | NoUpstream:
+        payload = jsonbytes.dumps(decode_body(body, p_params, hold))
+        return await self._decode_on(route, payload, headers, stream, self.attempts(self.decode_pool, None))
+
+    async def decode_local(
+        self, route: str, body: dict[str, Any], member: Upstream, params: dict[str, Any], headers: dict[str, str], stream: bool, tokens: int
+    ) -> DecodedWhole | DecodeStream | Passthrough | NoUpstream:
+        """Path decode_local: the turn straight to the D holding the conversation (that one only: no other D has its
+        history). While its prefill runs (until D's first byte), its new tokens count against that D's local budget."""
+        payload = jsonbytes.dumps(dict(body, **{contracts.KV_TRANSFER_PARAMS: params}))
+        member.local_tokens += tokens
+        try:
+            return await self._decode_on(route, payload, headers, stream, iter((member,)))
+        finally:
+            member.local_tokens -= tokens
+
+    async def _decode_on(
+        self, route: str, payload: bytes, headers: dict[str, str], stream: bool, members: Iterator[Upstream]
+    ) -> DecodedWhole | DecodeStream | Passthrough | NoUpstream:
         t = self.timeouts
         last = "no decode upstream available"
-        payload = jsonbytes.dumps(decode_body(body, p_params, hold))
         hdrs = dict(headers, **{"content-type": "application/json"})
-        for member in self.attempts(self.decode_pool, None):
+        for member in members:
             t0 = time.perf_counter()
             lease = member.lease()
             try:

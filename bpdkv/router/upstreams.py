@@ -26,6 +26,16 @@ class UpstreamState(str, Enum):
     UNHEALTHY = "unhealthy"  # failed its health check or ejected after failures
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the upstream's engine last said of its load (engines.py reads its /metrics)."""
+
+    running: float
+    waiting: float
+    kv_usage: float | None  # fraction of the KV cache in use, 0..1
+    at: float  # monotonic clock of the read
+
+
 @dataclass
 class Upstream:
     name: str
@@ -45,6 +55,24 @@ class Upstream:
     engine_id: str | None = None  # the NIXL engine id D last returned; a new one means D restarted
     engine_seen_at: float = 0.0  # wall clock of that observation
     suspect_engine: str | None = None  # a pull from this engine failed; cleared when D answers with it again
+    engine_load: EngineLoad | None = None  # the engine's own signals (None: never read)
+    load_fresh_for: float = 3.0  # seconds an engine_load stays usable (STALE_AFTER load intervals)
+    local_tokens: int = 0  # D: new tokens of continued turns sent here whose first byte has not come back yet
+
+    def fresh_load(self, now: float) -> EngineLoad | None:
+        load = self.engine_load
+        return load if load is not None and now - load.at <= self.load_fresh_for else None
+
+    def load(self, now: float) -> float:
+        """Requests on this upstream: the router's own count, or the engine's (other routers' requests too) if higher."""
+        engine = self.fresh_load(now)
+        if engine is None:
+            return self.outstanding
+        return max(self.outstanding, engine.running + engine.waiting)
+
+    def kv_full(self, now: float, limit: float = 0.95) -> bool:
+        engine = self.fresh_load(now)
+        return engine is not None and engine.kv_usage is not None and engine.kv_usage >= limit
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until and not self.drained
@@ -141,12 +169,17 @@ class Pool:
         pool = self.candidates(exclude or set())
         if not pool:
             return None
-        least = min(pool, key=lambda m: m.outstanding)
-        if affinity is None or len(pool) == 1:
+        if len(pool) == 1:
+            return pool[0]
+        # Load beyond the router's own outstanding counts: the engines' running + waiting (other routers' requests,
+        # requests queued inside vLLM), and an engine whose KV cache is full (it would preempt) only if all are.
+        now = time.monotonic()
+        least = min(pool, key=lambda m: (m.kv_full(now), m.load(now)))
+        if affinity is None:
             return least
         # Rendezvous hashing: a conversation keeps landing on the same P while the set of live P is stable.
         preferred = max(pool, key=lambda m: hashlib.blake2b(affinity + m.name.encode(), digest_size=8).digest())
-        if preferred.outstanding <= least.outstanding + self.affinity_slack:
+        if preferred.kv_full(now) <= least.kv_full(now) and preferred.load(now) <= least.load(now) + self.affinity_slack:
             return preferred
         return least
 

@@ -62,8 +62,13 @@ class EmulatorSettings:
     max_hang: float = 600.0  # bound of the "recompute" hang
     prefix_caching: bool = True  # False emulates a P whose cache was evicted between turns
     prefill_plugin: bool = False  # P runs the bpdkv connector: refuses expiring blocks, cuts pulls where tokens differ
+    # P's connector also says how many tokens it read from D (bpdkv_pulled_tokens). Off until the plugin sends it and
+    # its recorded answers (tests/data/vllm_contract) carry it: the emulator is held to those.
+    report_pulled_tokens: bool = False
     max_model_len: int = 1 << 20  # tokens (here: bytes of the rendering); longer prompts get vLLM's 400
     reasoning_parser: bool = False  # vLLM's `gemma4` reasoning parser: thoughts apart from the content, reasoning_tokens
+    max_num_seqs: int = 0  # engine slots: requests beyond them count as waiting in /metrics (0: unlimited)
+    kv_capacity_tokens: int = 0  # KV cache size for /metrics' usage: held and running tokens over it (0: usage 0)
 
 
 @dataclass
@@ -76,6 +81,9 @@ class VllmEmulator:
     requests: list[dict[str, Any]] = field(default_factory=list)  # what arrived (for tests)
     healthy: bool = True
     health_delay: float = 0.0  # seconds /health takes to answer (a busy or briefly stalled server)
+    running: int = 0  # requests being served now (in /metrics as running, or waiting beyond max_num_seqs)
+    running_tokens: int = 0
+    load_override: tuple[float, float, float] | None = None  # tests: (running, waiting, KV usage) /metrics reports
 
     def __post_init__(self) -> None:
         FABRIC[self.engine_id] = self
@@ -93,6 +101,13 @@ class VllmEmulator:
         """The engine is gone (its server was stopped): its held blocks can no longer be pulled, as after a restart."""
         FABRIC.pop(self.engine_id, None)
         self.held.clear()
+
+    def restart(self) -> None:
+        """The engine restarted on the same address: a new engine id, nothing held, an empty prefix cache."""
+        self.close()
+        self.engine_id = uuid.uuid4().hex
+        self.prefix_cache.clear()
+        FABRIC[self.engine_id] = self
 
     def count(self, name: str, value: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + value
@@ -150,8 +165,23 @@ class VllmEmulator:
         for name in ("nixl_num_kv_expired_reqs", "nixl_xfer_count", "emulator_wrong_kv_tokens", "emulator_pulls_skipped"):
             lines.append(f"vllm:{name}_total {self.counters.get(name, 0)}")
         lines.append(f"vllm:nixl_bytes_transferred_sum {self.counters.get('nixl_bytes', 0)}")
+        running, waiting, usage = self.load()
+        labels = f'{{model_name="{self.settings.model}",engine="0"}}'
+        lines += [f"vllm:num_requests_running{labels} {running}", f"vllm:num_requests_waiting{labels} {waiting}"]
+        lines.append(f"vllm:kv_cache_usage_perc{labels} {usage}")
         lines.append(f"vllm:nixl_xfer_time_seconds_sum {self.counters.get('nixl_xfer_seconds', 0)}")
         return PlainTextResponse("\n".join(lines) + "\n")
+
+    def load(self) -> tuple[float, float, float]:
+        """(running, waiting, KV cache usage) as vLLM's /metrics gauges say them."""
+        if self.load_override is not None:
+            return self.load_override
+        slots = self.settings.max_num_seqs
+        running = min(self.running, slots) if slots else self.running
+        capacity = self.settings.kv_capacity_tokens
+        held = sum(len(h.tokens) for h in self.held.values())
+        usage = min((held + self.running_tokens) / capacity, 1.0) if capacity else 0.0
+        return float(running), float(self.running - running), usage
 
     async def chat(self, request: Request) -> Response:
         body = await _json_body(request)
@@ -204,6 +234,22 @@ class VllmEmulator:
 
     # ---- the protocol ---------------------------------------------------------------------------------------
     async def _serve(self, body: dict[str, Any], tokens: list[int], chat: bool) -> Response:
+        self.running += 1
+        self.running_tokens += len(tokens)
+        streaming = False
+        try:
+            response = await self._serve_turn(body, tokens, chat)
+            streaming = isinstance(response, StreamingResponse)  # ends with its stream (_stream)
+            return response
+        finally:
+            if not streaming:
+                self._served(len(tokens))
+
+    def _served(self, prompt_tokens: int) -> None:
+        self.running -= 1
+        self.running_tokens -= prompt_tokens
+
+    async def _serve_turn(self, body: dict[str, Any], tokens: list[int], chat: bool) -> Response:
         if len(tokens) >= self.settings.max_model_len:
             n, limit = len(tokens), self.settings.max_model_len
             message = (
@@ -251,6 +297,14 @@ class VllmEmulator:
             }
             if pull_outcome is not None:
                 out_params[contracts.PULL_OUTCOME] = pull_outcome
+                if self.settings.report_pulled_tokens:
+                    out_params[contracts.PULLED_TOKENS] = external  # the connector's count of tokens read from D
+        elif isinstance(params, dict) and params.get(contracts.LOCAL_TURN) and role in ("decode", "both"):
+            # A continued turn (router path decode_local), as the bpdkv plugin on D serves it: the new tokens are
+            # computed on top of D's own prefix cache — its held history — and the previous hold, superseded, goes.
+            self.count("emulator_local_turns")
+            for rid in params.get(contracts.RELEASE_REQUEST_IDS) or ():
+                self.held.pop(str(rid), None)
         elif isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and role in ("decode", "both"):
             prefill = FABRIC.get(str(params.get(contracts.REMOTE_ENGINE_ID)))
             held = prefill.held.pop(str(params.get(contracts.REMOTE_REQUEST_ID)), None) if prefill else None
@@ -280,10 +334,14 @@ class VllmEmulator:
             output, finish = self.generate(basis, max_tokens, bool(body.get("ignore_eos")))
 
         # The engine finishes STOPPED or LENGTH_CAPPED; "tool_calls" is the API's name for a stop that called tools.
-        if role in ("decode",) and isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and finish in ("stop", "length"):
+        continued = isinstance(params, dict) and bool(params.get(contracts.DO_REMOTE_PREFILL) or params.get(contracts.LOCAL_TURN))
+        if role in ("decode",) and continued and finish in ("stop", "length"):
+            assert isinstance(params, dict)
             # As bpdkv's plugin: a turn the router will not offer again (bpdkv_hold: false) is not held at all.
             if params.get(contracts.HOLD) is not False:
-                out_params = self._hold_for_next_turn(tokens, output)
+                out_params = self._hold_for_next_turn(tokens, output, salt)
+                if params.get(contracts.LOCAL_TURN):
+                    out_params[contracts.LOCAL_CACHED_TOKENS] = cached
         text = bytes(output).decode(errors="replace")
         stream = _lax_bool(body.get("stream"))
         reasoning: str | None = None
@@ -405,9 +463,10 @@ class VllmEmulator:
             return n, theirs, outcome
         return n, None, outcome
 
-    def _hold_for_next_turn(self, tokens: list[int], output: list[int]) -> dict[str, Any]:
+    def _hold_for_next_turn(self, tokens: list[int], output: list[int], salt: str = "") -> dict[str, Any]:
         request_id = uuid.uuid4().hex
         seq = tokens + output[:-1]  # the last sampled token has no KV yet
+        self._cache(seq, salt)  # as vLLM: full blocks of what D computed and generated are in its prefix cache
         ttl = self.settings.decoder_kv_blocks_ttl
         self.held[request_id] = Held(seq, time.perf_counter() + ttl)
         params: dict[str, Any] = {
@@ -442,6 +501,8 @@ class VllmEmulator:
         except (asyncio.CancelledError, GeneratorExit):
             self.count("emulator_streams_cancelled")
             raise
+        finally:
+            self._served(answer.prompt_tokens)
 
     async def _chunks(self, body: dict[str, Any], answer: Answer, chat: bool, params: dict[str, Any] | None):  # type: ignore[no-untyped-def]
         """vLLM 0.32's event shapes: a role chunk (chat), content (or Hermes tool-call) deltas, a finish chunk with an

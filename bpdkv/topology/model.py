@@ -107,6 +107,7 @@ class RouterSpec:
     tls_cert: str | None = None  # a path on the router node, or a secret rendered to a file
     tls_key: str | None = None
     workers: int | str = 1  # router processes sharing the port; "auto" = the node's cores
+    paths: tuple[tuple[str, float], ...] = ()  # router config `paths` (per-turn paths), as the topology gives it
 
     @property
     def admin_key_file(self) -> str | None:
@@ -318,6 +319,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         api_keys_file=r.get("api_keys_file"),
         reuse=bool(r.get("reuse", True)),
         workers=r.get("workers", 1),
+        paths=tuple(sorted(r.get("paths", {}).items())),
         api_keys=tuple((t, _ref(v, f"router.api_keys.{t}")) for t, v in r.get("api_keys", {}).items()),
         admin_key=_ref(r.get("admin_key"), "router.admin_key"),
         redis_password=_ref(r.get("redis_password"), "router.redis_password"),

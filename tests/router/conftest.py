@@ -18,7 +18,7 @@ import pytest
 from bpdkv.bench.runner import metric_value
 from bpdkv.lab.ports import free_port
 from bpdkv.router.app import Router
-from bpdkv.router.config import HealthSettings, RouterConfig, Timeouts, UpstreamSpec
+from bpdkv.router.config import HealthSettings, PathSettings, RouterConfig, Timeouts, UpstreamSpec
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
 
 
@@ -57,6 +57,8 @@ def make_fleet(
         decode=tuple(UpstreamSpec(f"decode-{i}", u) for i, u in enumerate(urls[n_prefill:])),
         timeouts=Timeouts(connect=2, prefill=10, decode_first_byte=10, decode_idle=10),
         health=HealthSettings(interval=0, failures_to_eject=3, backoff_max=5),
+        # The pull path, which most router tests are about; test_router_paths turns decode_local on (the product default).
+        paths=PathSettings(local_max_tokens=0),
     )
     config = dataclasses.replace(base, **(router_changes or {}))
     kwargs: dict[str, Any] = {}

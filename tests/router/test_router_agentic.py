@@ -197,6 +197,40 @@ def test_reuse_outcome_settles_on_what_p_did(predicted: Reuse, pulled: str | Non
     assert settle(predicted, pulled, fell_back) is settled
 
 
+@pytest.mark.parametrize(
+    ("predicted", "outcome", "read", "settled"),
+    [
+        (Reuse.HIT, "verified", 128, Reuse.HIT),
+        (Reuse.HIT, "cut", 64, Reuse.HIT),  # read part of D's blocks: P cuts at most turns' tail
+        (Reuse.PARTIAL, "cut", 64, Reuse.PARTIAL),
+        (Reuse.HIT, "cut", 0, Reuse.MISS),  # a cut that read nothing (P's own cache covered it, or under the threshold)
+        (Reuse.HIT, "verified", 0, Reuse.MISS),  # P's own prefix cache covered everything D offered
+        (Reuse.PARTIAL, "cut", 0, Reuse.MISS),
+        (Reuse.HIT, "released", 0, Reuse.REFUSED),  # the fence's word stays more specific than the count
+        (Reuse.HIT, "none", None, Reuse.MISS),  # P saw no D location at all
+        (Reuse.MISS, "verified", 128, Reuse.MISS),
+    ],
+)
+def test_a_hit_needs_p_to_have_read_d_blocks(predicted: Reuse, outcome: str, read: int | None, settled: Reuse) -> None:
+    assert settle(predicted, outcome, False, read) is settled
+
+
+@pytest.mark.parametrize(("p_cache", "counted"), [(True, "miss"), (False, "hit")])
+def test_reuse_counts_what_p_read_not_what_was_offered(fleet_factory, reference, p_cache: bool, counted: str) -> None:  # type: ignore[no-untyped-def]
+    """P's own prefix cache holds turn 1's prompt; what D adds (the short answer) is under the recompute threshold, so
+    P reads nothing from D: that turn is a miss, not a hit. Without P's cache, P reads the history from D: a hit."""
+    fleet = fleet_factory(p_settings={"prefill_plugin": True, "report_pulled_tokens": True, "prefix_caching": p_cache})
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+    text, _ = chat(fleet.url, messages)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "and the second?"}]
+    external = fleet.prefill[0].counters.get("prompt_tokens:external_kv_transfer", 0)
+    assert chat(fleet.url, messages)[0] == chat(reference, messages)[0]
+    read = fleet.prefill[0].counters.get("prompt_tokens:external_kv_transfer", 0) - external
+    assert (read > 0) is (counted == "hit")
+    assert fleet.metric("bpdkv_router_reuse_total", outcome=counted) == 1
+    assert fleet.metric("bpdkv_router_reuse_total", outcome="hit") == (1 if counted == "hit" else 0)
+
+
 def test_dropped_reasoning_is_a_partial_hit() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
     ident = identify(CHAT, "t", body, None, "auto")

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bpdkv.render import render_topology
-from bpdkv.router.app import DisconnectWatch, json_depth_exceeds, sanitize, shape_problem
+from bpdkv.router.app import DisconnectWatch
 from bpdkv.router.config import RouterConfigError, config_from_dict, load_config
+from bpdkv.router.intake import json_depth_exceeds, sanitize, shape_problem
 from bpdkv.router.relay import RelayOutcome, Reply, SseRelay, strip_params
 from bpdkv.router.sessions import MemoryStore, SessionEntry, Verdict, chat_chain, scope_digest, token_chain
 from bpdkv.router.turn import prefill_body

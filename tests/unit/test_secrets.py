@@ -70,10 +70,11 @@ def test_failures_name_the_reference_and_are_reported_together(tmp_path: Path) -
     )
     with pytest.raises(SecretError) as info:
         secrets.resolve_topology(model, Resolver(environ={}))
-    message = str(info.value)
+    assert len(info.value.lines()) == 2  # one line per unresolvable reference
+    message = "\n".join(info.value.lines())
     assert "vllm.env.A: secret env:MISSING_ONE: environment variable MISSING_ONE is not set" in message
     assert "nodes[0].env.B: secret file:" in message and "No such file" in message
-    assert "\n" not in message
+    assert all("\n" not in line for line in info.value.lines())
 
 
 def test_resolve_topology_replaces_every_reference() -> None:

@@ -1,0 +1,71 @@
+"""Engine load signals: each P's and D's own vLLM `/metrics` (requests running and waiting, KV cache usage), read
+about once a second per upstream, bounded (one read per upstream in flight, a timeout, at most MAX_METRICS_BYTES
+scanned). What placement (upstreams.Pool.pick) and the path decision (paths.py) read; a signal older than
+STALE_AFTER intervals is not used (the router's own outstanding counts are)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from bpdkv.router.upstream_http import UpstreamClient, UpstreamFailure
+from bpdkv.router.upstreams import EngineLoad, Pool, Upstream
+
+log = logging.getLogger("bpdkv.router")
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 0.32 name, older name; a fraction 0..1
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+STALE_AFTER = 3.0  # intervals
+
+
+def parse_load(text: str, at: float) -> EngineLoad | None:
+    """The three gauges from a Prometheus text exposition (summed over a server's engines; KV usage the highest);
+    None when it has neither running nor waiting (not vLLM)."""
+    running = waiting = 0.0
+    kv: float | None = None
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, brace, rest = line.partition("{")
+        fields = (rest.rpartition("}")[2] if brace else name).split()
+        name = name.split()[0] if not brace else name
+        try:
+            value = float(fields[0] if brace else fields[1])
+        except (ValueError, IndexError):
+            continue
+        if name == RUNNING:
+            running += value
+            seen = True
+        elif name == WAITING:
+            waiting += value
+            seen = True
+        elif name in KV_USAGE:
+            kv = value if kv is None else max(kv, value)
+    return EngineLoad(running, waiting, kv, at) if seen else None
+
+
+async def read_load(member: Upstream, client: UpstreamClient, timeout: float) -> None:
+    try:
+        answer = await client.fetch("GET", member.url + "/metrics", None, {}, timeout)
+    except UpstreamFailure:
+        return  # health checks judge the upstream; a missed read only ages its signal
+    if answer.status != 200:
+        return
+    load = parse_load(answer.content[:MAX_METRICS_BYTES].decode(errors="replace"), time.monotonic())
+    if load is not None:
+        member.engine_load = load
+
+
+async def load_loop(pools: list[Pool], client: UpstreamClient, interval: float, stop: asyncio.Event) -> None:
+    """Every interval: one bounded /metrics read per upstream, all at once."""
+    timeout = max(min(interval, 2.0), 0.2)
+    while not stop.is_set():
+        await asyncio.gather(*(read_load(m, client, timeout) for p in pools for m in p.members))
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
