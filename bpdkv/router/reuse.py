@@ -66,7 +66,7 @@ class ReusePolicy:
             return Verdict.TAKE
 
         try:
-            entry, _ = await self.store.take(list(ident.lookup_keys), judge)
+            entry, _ = await self.store.take(list(ident.lookup_keys), judge, ident.accepted_histories())
         except sessions.StoreUnavailable:
             self.metrics.store_errors.inc()
             return None, Reuse.UNAVAILABLE

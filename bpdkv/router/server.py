@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,13 @@ def serve_one(config: RouterConfig, log_level: str, reuse_port: bool = False) ->
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
     _ignore_hup()
     router = Router(config)
+    app: Any = router.app
+    if reuse_port:  # a worker: admin drains and requests in flight are shared with the other workers
+        sync = _worker_sync(config, router)
+        if sync is not None:
+            app = WorkerApp(router.app, sync)
     uv_config = uvicorn.Config(
-        router.app,
+        app,
         host=config.listen,
         port=config.port,
         log_level=log_level,
@@ -109,6 +115,80 @@ def serve_one(config: RouterConfig, log_level: str, reuse_port: bool = False) ->
         server.run(sockets=[_reuse_port_socket(config.listen, config.port)])
     else:
         server.run()
+
+
+def _worker_sync(config: RouterConfig, router: Any) -> Any:
+    from bpdkv.router.resp import RespClient
+    from bpdkv.router.security import redis_options
+    from bpdkv.router.workers import WorkerSync
+
+    if not config.state.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    redis = RespClient(config.state, 1.0, **redis_options(config.state_password_file, config.state_ca_file))
+    return WorkerSync.from_env(redis, [router.prefill, router.decode], router._session, config.health.check_timeout)
+
+
+class WorkerApp:
+    """One worker's ASGI app: the router's, with its admin calls made across all workers (bpdkv.router.workers).
+
+    The router handles each admin call as it would alone (auth, names, the local change, the undrain's health
+    check); on its 200 the change is shared and the answer rebuilt from every live worker's view. Every other
+    request goes straight to the router."""
+
+    ADMIN = "/admin/upstreams"
+
+    def __init__(self, app: Any, sync: Any) -> None:
+        self.app, self.sync = app, sync
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._lifespan_send(send))
+            return
+        if scope["type"] != "http" or not scope.get("path", "").startswith(self.ADMIN):
+            await self.app(scope, receive, send)
+            return
+        captured: dict[str, Any] = {"status": 0, "headers": [], "body": b""}
+
+        async def capture(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                captured["status"], captured["headers"] = message["status"], message.get("headers", [])
+            elif message["type"] == "http.response.body":
+                captured["body"] += message.get("body", b"")
+
+        await self.app(scope, receive, capture)
+        status, body = captured["status"], captured["body"]
+        if status == 200:
+            status, body = await self._shared(scope, body)
+        headers = [(k, v) for k, v in captured["headers"] if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _shared(self, scope: dict[str, Any], body: bytes) -> tuple[int, bytes]:
+        from bpdkv.router.workers import SharedStateUnavailable
+
+        members = self.sync.members()
+        try:
+            if scope["method"] == "POST":
+                name = scope["path"][len(self.ADMIN) + 1 :].rsplit("/", 1)[0]
+                member = next(m for m in members if m.name == name)
+                await self.sync.changed(member)
+                (view,) = await self.sync.describe([member])
+                return 200, json.dumps(view).encode()
+            return 200, json.dumps({"upstreams": await self.sync.describe(members)}).encode()
+        except SharedStateUnavailable as exc:
+            err = {"error": {"message": str(exc), "type": "router_error", "code": 503}}
+            return 503, json.dumps(err).encode()
+
+    def _lifespan_send(self, send: Any) -> Any:
+        async def wrapped(message: dict[str, Any]) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                self.sync.start()
+            elif message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                await self.sync.stop()
+            await send(message)
+
+        return wrapped
 
 
 def _start_local_redis(conf: str) -> subprocess.Popen[bytes]:
@@ -145,7 +225,10 @@ def supervise(config: RouterConfig, workers: int, log_level: str) -> int:
     """Start [redis-server,] N workers; return when one of them ends (its code) or on SIGTERM/SIGINT (0)."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited through exec: no window before a worker logs its own
     redis_proc = _start_local_redis(config.local_redis_conf) if config.local_redis_conf else None
+    from bpdkv.router.workers import RUN_ENV, WORKERS_ENV
+
     env = dict(os.environ, **{WORKER_CONFIG_ENV: json.dumps(config_to_dict(config))})
+    env[RUN_ENV], env[WORKERS_ENV] = uuid.uuid4().hex, str(workers)  # the workers' shared admin state (workers.py)
     # One metrics directory per run (never a previous run's counters), shared by the workers so that /metrics on
     # any of them aggregates all; one worker keeps plain in-memory metrics.
     metrics_dir = tempfile.mkdtemp(prefix="bpdkv-router-metrics-") if workers > 1 else None

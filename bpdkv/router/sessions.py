@@ -130,6 +130,12 @@ def _explicit_key(scope: bytes, session_id: str) -> str:
     return "x:" + _h(scope, b"session", session_id.encode()).hex()
 
 
+def _tagged(kind: str, conversation: str, digest: str) -> str:
+    """A stored key of an automatic identity: `{...}` is its Redis Cluster hash tag, the same for every candidate key
+    of one lookup (the conversation's first two messages, or a token prompt's first block), so MGET stays in one slot."""
+    return f"{kind}:{{{conversation[:16]}}}{digest}"
+
+
 def _int_tokens(prompt: Any) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt
@@ -188,6 +194,7 @@ class Identity:
     tokens: tuple[int, ...] | None = None  # token-id prompt
     text: str | None = None  # text prompt (explicit ids only)
     tip: bytes = b""  # chat: digest of the whole history of this request (the next turn's chain continues from it)
+    shard: str = ""  # chat: hash tag of the conversation (its first two messages; "" = one message so far)
 
     def covers(self, entry: SessionEntry) -> bool:
         """The stored KV is a prefix of this request's prompt (the history matches)."""
@@ -198,6 +205,11 @@ class Identity:
         if self.text is not None:
             return 0 < entry.length <= len(self.text) and text_digest(self.scope, self.text[: entry.length]) == entry.history
         return False
+
+    def accepted_histories(self) -> frozenset[str] | None:
+        """The histories covers() accepts, when they can be listed (chat: the request's prefixes), else None. A shared
+        store takes an entry of one of them in one round trip (RedisStore.take): keep this equal to covers()."""
+        return self.prefixes if self.route == CHAT else None
 
     def outcome_of(self, entry: SessionEntry) -> Reuse:
         if self.route == CHAT and entry.reasoning and entry.history not in self.with_reasoning:
@@ -269,10 +281,11 @@ def identify(route: str, tenant: str, body: dict[str, Any], session_id: str | No
         keys: list[str] = []
         for i in range(len(messages) - 2, -1, -1):
             if isinstance(messages[i], dict) and messages[i].get("role") == "assistant":
-                keys.append("c:" + chain[i].hex())
+                keys.append(_tagged("c", chain[1].hex(), chain[i].hex()))
                 if len(keys) >= MAX_CHAT_CANDIDATES:
                     break
-        return Identity(scope, route, tuple(keys), None, affinity, prefixes, reasoning, tip=chain[-1])
+        shard = chain[1].hex() if len(chain) > 1 else ""
+        return Identity(scope, route, tuple(keys), None, affinity, prefixes, reasoning, tip=chain[-1], shard=shard)
     prompt = body.get("prompt")
     tokens = _int_tokens(prompt)
     if explicit:
@@ -292,7 +305,7 @@ def identify(route: str, tenant: str, body: dict[str, Any], session_id: str | No
         return None
     chain_t = token_chain(scope, tokens)
     affinity_t = chain_t[0][1] if chain_t else None
-    keys = ["t:" + h.hex() for _, h in reversed(chain_t)][:MAX_CANDIDATES]
+    keys = [_tagged("t", chain_t[0][1].hex(), h.hex()) for _, h in reversed(chain_t)][:MAX_CANDIDATES]
     return Identity(scope, route, tuple(keys), None, affinity_t, tokens=tuple(tokens))
 
 
@@ -307,7 +320,9 @@ def to_store(
         visible = {k: v for k, v in reply.items() if k not in REASONING_FIELDS}
         entry.reasoning = has_reasoning(reply)
         entry.history = _h(ident.tip, canonical_message(visible)).hex()
-        key = _explicit_key(ident.scope, ident.session_id) if ident.session_id else "c:" + entry.history
+        # The history's first two messages: the request's, or its only message and this reply.
+        shard = ident.shard or entry.history
+        key = _explicit_key(ident.scope, ident.session_id) if ident.session_id else _tagged("c", shard, entry.history)
         return key, entry, ident.session_id is not None
     text = (reply or {}).get("content") if isinstance((reply or {}).get("content"), str) else ""
     if ident.tokens is not None:
@@ -316,7 +331,7 @@ def to_store(
         if ident.session_id:
             return _explicit_key(ident.scope, ident.session_id), entry, True
         chain = token_chain(ident.scope, list(ident.tokens))
-        return ("t:" + chain[-1][1].hex(), entry, False) if chain else None
+        return (_tagged("t", chain[0][1].hex(), chain[-1][1].hex()), entry, False) if chain else None
     if ident.text is not None and ident.session_id:
         # The next prompt of a text conversation starts with this prompt and D's answer.
         entry.history = text_digest(ident.scope, ident.text + str(text))
@@ -334,9 +349,13 @@ class SessionStore(Protocol):
         """Store; with only_if_absent, a live entry under key stays and False is returned."""
         ...
 
-    async def take(self, keys: list[str], judge: Callable[[SessionEntry], Verdict]) -> tuple[SessionEntry | None, list[Verdict]]:
+    async def take(
+        self, keys: list[str], judge: Callable[[SessionEntry], Verdict], accepts: frozenset[str] | None = None
+    ) -> tuple[SessionEntry | None, list[Verdict]]:
         """The first entry among keys that judge() takes, removed atomically (entries are single-use). Entries judged
-        DROP are deleted, LEAVE ones stay untouched. Also returns the verdicts given, for the outcome metric."""
+        DROP are deleted, LEAVE ones stay untouched. Also returns the verdicts given, for the outcome metric.
+        accepts: when given, exactly the histories judge() does not LEAVE for (a chat request's prefixes): a shared
+        store may then take in one round trip."""
         ...
 
     async def mark_released(self, keys: list[str], ttl: float) -> None:
@@ -398,7 +417,9 @@ class MemoryStore:
         while len(self._data) > self._max:
             del self._data[next(iter(self._data))]
 
-    async def take(self, keys: list[str], judge: Callable[[SessionEntry], Verdict]) -> tuple[SessionEntry | None, list[Verdict]]:
+    async def take(
+        self, keys: list[str], judge: Callable[[SessionEntry], Verdict], accepts: frozenset[str] | None = None
+    ) -> tuple[SessionEntry | None, list[Verdict]]:
         verdicts: list[Verdict] = []
         for key in keys:
             entry = self._data.get(key)
@@ -425,80 +446,160 @@ class MemoryStore:
 
 # Compare-and-delete: the take of one worker never removes an entry another worker stored in between.
 DELETE_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end"
+# One round trip for a chat lookup: the first candidate whose history the request extends, read and deleted
+# atomically; the candidates of other histories (left alone) come back too, for the judge and the outcome metric.
+# A value is "<history>\n<entry JSON>" (an entry without the header: left for the router to judge).
+TAKE_FIRST = """
+local accepted = {}
+for i = 1, #ARGV do accepted[ARGV[i]] = true end
+local left = {}
+for i, key in ipairs(KEYS) do
+  local v = redis.call('GET', key)
+  if v then
+    local nl = string.find(v, '\\n', 1, true)
+    if nl and accepted[string.sub(v, 1, nl - 1)] then
+      redis.call('DEL', key)
+      return {i, v, left}
+    end
+    left[#left + 1] = i
+    left[#left + 1] = v
+  end
+end
+return {0, false, left}
+"""
+
+
+def _entry_of(value: bytes) -> SessionEntry | None:
+    try:
+        return SessionEntry.from_json(value if value[:1] == b"{" else value.split(b"\n", 1)[1])
+    except (ValueError, TypeError, IndexError):
+        return None
 
 
 class RedisStore:
-    """Shared by router replicas. Any Redis failure raises StoreUnavailable; the caller serves without reuse."""
+    """Shared by router workers and replicas. Any Redis failure raises StoreUnavailable; the caller serves without
+    reuse. Through bpdkv.router.resp (one pipelined connection per process, not redis-py's pool: see there why).
+
+    Commands per chat turn: the take (one script: the first candidate of this history, read and deleted), EXISTS of
+    its released mark, SET of the next turn's entry; other prompts MGET, judge, then compare-and-delete. Every
+    command touches one key or keys of one hash slot (a lookup's candidates share their conversation's hash tag,
+    sessions.identify), so a Redis Cluster can shard them."""
 
     PREFIX = "bpdkv:s:"
     RELEASED = "bpdkv:r:"
 
     def __init__(self, url: str, timeout: float = 0.25, **options: Any) -> None:
-        import redis.asyncio as aioredis
+        from bpdkv.router.resp import RespClient
 
-        # options: password / ssl_ca_certs (bpdkv.router.security.redis_options)
-        self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False, **options)
-        self._timeout = timeout
-        self._del_if = self._redis.register_script(DELETE_IF_EQUAL)
+        # options: password / ssl_ca_certs / ssl_check_hostname (bpdkv.router.security.redis_options)
+        self._redis = RespClient(url, timeout, **options)
+
+    @property
+    def commands(self) -> int:
+        """Commands sent so far (the benchmark counts them per turn)."""
+        return self._redis.commands
 
     async def _call(self, coro: Any) -> Any:
-        import redis
+        from bpdkv.router.resp import RespConnectionError, RespError
 
         try:
-            return await asyncio.wait_for(coro, self._timeout * 4)
-        except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
-            raise StoreUnavailable(type(exc).__name__) from None
+            return await coro
+        except (RespError, RespConnectionError, OSError, asyncio.TimeoutError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
 
     async def put(self, key: str, entry: SessionEntry, ttl: float, only_if_absent: bool = False) -> bool:
-        done = await self._call(self._redis.set(self.PREFIX + key, entry.to_json(), px=max(int(ttl * 1000), 1), nx=only_if_absent))
-        return bool(done)
+        px = max(int(ttl * 1000), 1)
+        value = entry.history.encode() + b"\n" + entry.to_json().encode()
+        args: tuple[Any, ...] = ("SET", self.PREFIX + key, value, "PX", px)
+        done = await self._call(self._redis.execute(*args, "NX") if only_if_absent else self._redis.execute(*args))
+        return done is not None
 
-    async def take(self, keys: list[str], judge: Callable[[SessionEntry], Verdict]) -> tuple[SessionEntry | None, list[Verdict]]:
+    async def take(
+        self, keys: list[str], judge: Callable[[SessionEntry], Verdict], accepts: frozenset[str] | None = None
+    ) -> tuple[SessionEntry | None, list[Verdict]]:
         verdicts: list[Verdict] = []
         if not keys:
             return None, verdicts
-        values = await self._call(self._redis.mget([self.PREFIX + k for k in keys]))
+        if accepts is not None:
+            return await self._take_accepted(keys, judge, accepts)
+        if len(keys) == 1:
+            values = [await self._call(self._redis.execute("GET", self.PREFIX + keys[0]))]
+        else:
+            values = await self._call(self._redis.execute("MGET", *[self.PREFIX + k for k in keys]))
         for key, value in zip(keys, values, strict=True):
             if value is None:
                 continue
-            try:
-                entry = SessionEntry.from_json(value)
-            except (ValueError, TypeError):
-                entry = None
+            entry, verdict = await self._judge_unclaimed(key, value, judge)
+            verdicts.append(verdict)
+            if entry is not None:
+                return entry, verdicts
+        return None, verdicts
+
+    async def _judge_unclaimed(
+        self, key: str, value: bytes, judge: Callable[[SessionEntry], Verdict]
+    ) -> tuple[SessionEntry | None, Verdict]:
+        """An entry read, still in Redis: judged, and deleted if not LEFT — only the value judged (if another worker
+        replaced it meanwhile, that one is not ours to take). (the entry if taken, the verdict)"""
+        entry = _entry_of(value)
+        verdict = Verdict.DROP if entry is None else judge(entry)
+        if verdict is Verdict.LEAVE:
+            return None, verdict
+        deleted = await self._call(self._redis.script(DELETE_IF_EQUAL, [self.PREFIX + key], [value]))
+        return (entry if verdict is Verdict.TAKE and deleted else None), verdict
+
+    async def _take_accepted(
+        self, keys: list[str], judge: Callable[[SessionEntry], Verdict], accepts: frozenset[str]
+    ) -> tuple[SessionEntry | None, list[Verdict]]:
+        verdicts: list[Verdict] = []
+        rest = list(keys)
+        while rest:
+            index, value, left = await self._call(self._redis.script(TAKE_FIRST, [self.PREFIX + k for k in rest], sorted(accepts)))
+            for i in range(0, len(left), 2):  # candidates of other histories: the judge leaves them (and counts them)
+                entry, verdict = await self._judge_unclaimed(rest[left[i] - 1], left[i + 1], judge)
+                verdicts.append(verdict)
+                if entry is not None:
+                    return entry, verdicts
+            if not index:
+                return None, verdicts
+            entry = _entry_of(value)
             verdict = Verdict.DROP if entry is None else judge(entry)
             verdicts.append(verdict)
-            if verdict is Verdict.LEAVE:
-                continue
-            # Delete only the value judged: if another worker replaced it meanwhile, that one is not ours to take.
-            deleted = await self._call(self._del_if(keys=[self.PREFIX + key], args=[value]))
-            if verdict is Verdict.TAKE and deleted and entry is not None:
+            if verdict is Verdict.TAKE and entry is not None:
                 return entry, verdicts
+            if verdict is Verdict.LEAVE and entry is not None:  # accepts said otherwise: put it back as it was
+                ttl = entry.expires_at - time.time()
+                if ttl > 0:
+                    await self._call(self._redis.execute("SET", self.PREFIX + rest[index - 1], value, "PX", int(ttl * 1000) + 1, "NX"))
+            rest = rest[index:]  # DROP: deleted already; look further
         return None, verdicts
 
     async def mark_released(self, keys: list[str], ttl: float) -> None:
         if not keys:
             return
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.set(self.RELEASED + key, b"1", px=max(int(ttl * 1000), 1))
-        await self._call(pipe.execute())
+        px = max(int(ttl * 1000), 1)
+        answers = await self._call(self._redis.pipeline([("SET", self.RELEASED + key, b"1", "PX", px) for key in keys]))
+        from bpdkv.router.resp import RespError
+
+        failed = next((a for a in answers if isinstance(a, RespError)), None)
+        if failed is not None:
+            raise StoreUnavailable(f"RespError: {failed}")
 
     async def is_released(self, key: str) -> bool:
-        return bool(await self._call(self._redis.exists(self.RELEASED + key)))
+        return bool(await self._call(self._redis.execute("EXISTS", self.RELEASED + key)))
 
     async def count(self) -> int:
         total = 0
-        cursor = 0
+        cursor = b"0"
         for _ in range(100):  # bounded scan; the gauge is approximate above 100k sessions
-            cursor, batch = await self._call(self._redis.scan(cursor=cursor, match=self.PREFIX + "*", count=1000))
+            cursor, batch = await self._call(self._redis.execute("SCAN", cursor, "MATCH", self.PREFIX + "*", "COUNT", 1000))
             total += len(batch)
-            if cursor == 0:
+            if cursor == b"0":
                 break
         return total
 
     async def close(self) -> None:
         try:
-            await self._redis.aclose()
+            await self._redis.close()
         except Exception:  # noqa: BLE001 - closing a broken connection must not fail shutdown
             pass
 

@@ -69,6 +69,9 @@ def test_every_router_metric_the_dashboard_reads_is_defined_by_the_router() -> N
     metrics.reuse.labels("hit").inc()
     metrics.upstream.labels("prefill").observe(0.1)
     metrics.requests.labels("/v1/chat/completions", "200").inc()
+    metrics.paths.labels("decode_local", "few_new_tokens").inc()
+    metrics.engine_running.labels("decode", "decode-0").set(1)
+    metrics.engine_waiting.labels("decode", "decode-0").set(0)
     exposed = {line.split("{")[0].split(" ")[0] for line in generate_latest(metrics.registry).decode().splitlines() if line[:1] != "#"}
     wanted = {m for m in queried_metrics(grafana_dashboard(_topology())) if m.startswith("bpdkv_router_")}
     assert wanted and wanted <= exposed, wanted - exposed
