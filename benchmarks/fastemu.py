@@ -3,6 +3,8 @@
 every INTERVAL ms, driven by one shared 1 ms ticker (so timing is exact to 1 ms for every stream). Speaks the P/D kv_transfer_params protocol subset a router uses.
 
 Run: python benchmarks/fastemu.py --port-p 0 --port-d 0  (prints {"prefill": url, "decode": url} and serves)
+Several processes can serve the same two ports (`--reuse-port`, fixed ports): the kernel spreads connections over
+them, so the emulator is not the bottleneck of a many-core run.
 """
 
 from __future__ import annotations
@@ -136,8 +138,9 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rol
 async def main_async(args: argparse.Namespace) -> None:
     streams = Streams(args.tokens, args.first / 1000, args.interval / 1000, args.tick / 1000)
     ticker = asyncio.ensure_future(streams.ticker())
-    p = await asyncio.start_server(lambda r, w: handle(r, w, "prefill", streams), "127.0.0.1", args.port_p, backlog=4096)
-    d = await asyncio.start_server(lambda r, w: handle(r, w, "decode", streams), "127.0.0.1", args.port_d, backlog=4096)
+    reuse = args.reuse_port or None
+    p = await asyncio.start_server(lambda r, w: handle(r, w, "prefill", streams), "127.0.0.1", args.port_p, backlog=4096, reuse_port=reuse)
+    d = await asyncio.start_server(lambda r, w: handle(r, w, "decode", streams), "127.0.0.1", args.port_d, backlog=4096, reuse_port=reuse)
     urls = {"prefill": f"http://127.0.0.1:{p.sockets[0].getsockname()[1]}", "decode": f"http://127.0.0.1:{d.sockets[0].getsockname()[1]}"}
     print(json.dumps(urls), flush=True)
     stop = asyncio.Event()
@@ -158,6 +161,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=5.0, help="ms between tokens")
     ap.add_argument("--tick", type=float, default=1.0, help="ms resolution of token timing")
     ap.add_argument("--max-seconds", type=float, default=1800)
+    ap.add_argument("--reuse-port", action="store_true", help="share fixed ports with other emulator processes (SO_REUSEPORT)")
     args = ap.parse_args()
     try:
         import uvloop
