@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +90,7 @@ class RouterConfig:
     client_timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
     paths: PathSettings = field(default_factory=PathSettings)
     topology: str | None = None
-    workers: int | str = ROUTER_DEFAULTS["workers"]  # N or "auto" (= the node's cores)
+    workers: int | str = ROUTER_DEFAULTS["workers"]  # N or "auto" (router/workers.py: auto_workers)
     max_body_bytes: int = ROUTER_DEFAULTS["max_body_bytes"]
     max_json_depth: int = ROUTER_DEFAULTS["max_json_depth"]
     admin_key_file: str | None = ROUTER_DEFAULTS["admin_key_file"]
@@ -105,7 +104,9 @@ class RouterConfig:
 
     def worker_count(self) -> int:
         if self.workers == "auto":
-            return max(1, os.cpu_count() or 1)
+            from bpdkv.router.workers import auto_workers
+
+            return auto_workers()
         return max(1, int(self.workers))
 
 

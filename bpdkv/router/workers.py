@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bpdkv.router.resp import RespClient, RespConnectionError, RespError
@@ -44,6 +45,32 @@ ACK_BOUND_S = 2.0  # beyond the undrain's own health check
 
 # HSET the admin state of one upstream and bump the version, atomically (both keys in one slot).
 CHANGE = "redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]); return redis.call('INCR', KEYS[2])"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (containers, systemd's
+    CPUQuota=)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text(encoding="utf-8").split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def auto_workers(cores: int | None = None) -> int:
+    """`workers: auto`. One process below 4 usable cores: a second worker costs every turn its Redis round trips and
+    the processes preempt each other (measured on 2 cores: two workers never served more than one process, at
+    1.2-1.4x its CPU per request; benchmarks/results/router/README.md). From 4 cores: one worker per core but one,
+    left to the redis-server, the supervisor and the kernel's network work (about half a worker's CPU is its
+    socket system calls)."""
+    n = usable_cores() if cores is None else cores
+    return 1 if n < 4 else n - 1
 
 
 class SharedStateUnavailable(Exception):

@@ -67,7 +67,7 @@ def emulated() -> Iterator[tuple[VllmEmulator, list[str]]]:
     group.stop()
 
 
-def _start_router(tmp_path: Path, urls: list[str], workers: int) -> tuple[subprocess.Popen[bytes], int, int]:
+def _start_router(tmp_path: Path, urls: list[str], workers: int | str) -> tuple[subprocess.Popen[bytes], int, int]:
     """`bpdkv router` with `workers` processes and its own redis-server; urls: P's, then each D's."""
     port, redis_port = free_port(), free_port()
     conf = tmp_path / "redis.conf"
@@ -221,3 +221,34 @@ def test_workers_without_redis_state_are_refused(tmp_path: Path) -> None:
     )
     assert result.returncode != 0 and "workers: 2 processes need shared sessions" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_auto_workers_follow_the_cores() -> None:
+    from bpdkv.router.workers import auto_workers, usable_cores
+
+    assert [auto_workers(n) for n in (1, 2, 3, 4, 8, 16)] == [1, 1, 1, 3, 7, 15]
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+
+
+def test_auto_on_a_small_node_is_one_process_without_its_redis(emulated: Any, tmp_path: Path) -> None:
+    """`workers: auto` that comes to one process (this machine has < 4 cores) serves alone with sessions in memory:
+    the redis-server render configured for the workers is not started (it would only add round trips)."""
+    from bpdkv.router.workers import auto_workers
+
+    if auto_workers() != 1:
+        pytest.skip("a node with 4 or more cores runs workers under auto")
+    p, urls = emulated
+    proc, port, redis_port = _start_router(tmp_path, urls, workers="auto")
+    try:
+        assert _children(proc.pid) == []  # no worker processes, no redis-server
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", redis_port), timeout=1).close()
+        url = f"http://127.0.0.1:{port}"
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "turn 0"}]
+        for turn in range(1, 4):
+            text, resp = chat(url, messages)
+            assert text, resp
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"turn {turn}"}]
+        assert metric_value(httpx.get(url + "/metrics", timeout=10).text, "bpdkv_router_reuse_total", {"outcome": "hit"}) == 2
+    finally:
+        _stop(proc)
