@@ -65,13 +65,15 @@ def within(name: str, prefixes: tuple[str, ...] | set[str]) -> bool:
 
 
 def crossings(edges: dict[str, list[tuple[str, int, str]]], sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
-    return [
-        f"{file}:{line}: {module} imports {target}"
-        for module, imports in edges.items()
-        if within(module, sources)
-        for file, line, target in imports
-        if within(target, forbidden) and not within(target, sources)
-    ]
+    return sorted(
+        {
+            f"{file}:{line}: {module} imports {target}"
+            for module, imports in edges.items()
+            if within(module, sources)
+            for file, line, target in imports
+            if within(target, forbidden) and not within(target, sources)
+        }
+    )
 
 
 EDGES = graph()
