@@ -59,7 +59,7 @@ def serve(config: RouterConfig, log_level: str = "info") -> None:
     if problems:
         raise RouterConfigError("; ".join(problems))
     workers = config.worker_count()
-    if workers == 1:
+    if workers == 1 and (config.workers == "auto" or not config.local_redis_conf):
         if config.local_redis_conf:
             # `workers: auto` came to one process on this node: its own redis-server would only cost every turn
             # its round trips (measured: a quarter of the throughput at 256 streams on 2 cores); sessions stay in memory.
