@@ -39,6 +39,16 @@ HOLD: Final = "bpdkv_hold"
 RELEASE_REQUEST_IDS: Final = "bpdkv_release_request_ids"
 # P → router, on P's answer: what became of the offered D blocks (verified, cut, mismatch, expiring, unverified_*).
 PULL_OUTCOME: Final = "bpdkv_pull_outcome"
+# Its values from P's cost model (bpdkv/vllm_plugin/cost.py): P computed locally because the pull was predicted slower
+# than computing, or would have outlasted the longest pin lease (D's hold was let go at once); P pulled a prefix only
+# (the rest computed: the lease ceiling, or a probe re-measuring a slow link).
+PULL_LINK_SLOWER: Final = "link_slower"
+PULL_LEASE_CEILING: Final = "lease_ceiling"
+PULL_PARTIAL: Final = "partial"
+PULL_PROBE: Final = "probe"
+# Sent straight to P by `bpdkv calibrate` (never through the router, which strips clients' kv_transfer_params): pull
+# what the digests allow whatever the cost model predicts — calibrate measures the pull.
+PULL_ALWAYS: Final = "bpdkv_pull_always"
 # Router → D, in a continued turn's params (path decode_local: the turn goes straight to the D that holds the
 # conversation, no P): compute the new tokens from your own prefix cache, then hold the result and return its location
 # exactly as after a P/D turn (do_remote_decode true, remote_block_ids, …) so the next turn can again go either way.
@@ -73,6 +83,7 @@ EXTRA_BLOCKS_TTL: Final = "decoder_kv_blocks_ttl"  # seconds D keeps a finished 
 EXTRA_RECOMPUTE_THRESHOLD: Final = "kv_recompute_threshold"  # fewer tokens than this to pull: P computes them
 EXTRA_UNVERIFIED_REUSE: Final = "unverified_reuse"  # bpdkv's: "refuse" | "allow" a pull from a D that sent no digests
 EXTRA_HOLD_BUDGET: Final = "bpdkv_hold_budget"  # bpdkv's: share of D's KV cache blocks finished requests may hold, (0, 1]
+EXTRA_COST_SEED: Final = "bpdkv_cost_seed"  # bpdkv's (P): its cost model's seed from `bpdkv calibrate` (topology kv_transfer.pull_cost_seed)
 # Defaults: upstream's (NixlConnector) for its keys; the topology, the plugin and the emulator all read these.
 DEFAULT_LEASE_DURATION: Final = 30
 DEFAULT_BLOCKS_TTL: Final = 480

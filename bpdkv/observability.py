@@ -126,6 +126,28 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 ),
             ),
             Panel(
+                "Offers of D's KV: pulled or recomputed (P's cost model)",
+                "reqps",
+                (
+                    Query(f"sum by (outcome, reason) (rate(vllm:bpdkv_pull_decisions_total{{{SEL}}}{RATE}))", "{{outcome}} ({{reason}})"),
+                    Query(
+                        f'sum(rate(vllm:bpdkv_pull_decisions_total{{{SEL}, outcome="recomputed"}}{RATE})) / '
+                        f"sum(rate(vllm:bpdkv_pull_decisions_total{{{SEL}}}{RATE}))",
+                        "share recomputed",
+                    ),
+                ),
+                "recomputed/link_slower: pulling from that D was predicted slower than P computing the tokens.",
+            ),
+            Panel(
+                "P→D link rate (measured) vs break-even",
+                "Bps",
+                (
+                    Query(f"max by (link) (vllm:bpdkv_link_bytes_per_second{{{SEL}}})", "{{link}}"),
+                    Query(f"max by (link) (vllm:bpdkv_link_break_even_bytes_per_second{{{SEL}}})", "break-even {{link}}"),
+                ),
+                "Below break-even no pull pays: P computes instead (UCX on EFA, P and D on one GPU, no GPUDirect?).",
+            ),
+            Panel(
                 "Blocks D holds for a next turn",
                 "percentunit",
                 (

@@ -78,6 +78,8 @@ def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> di
         extra[contracts.EXTRA_UNVERIFIED_REUSE] = kv.unverified_reuse
         if instance.role == "decode" and instance.kv_hold_budget is not None:  # unset: the plugin's own default applies
             extra[contracts.EXTRA_HOLD_BUDGET] = instance.kv_hold_budget
+        if instance.role == "prefill" and kv.pull_cost_seed:
+            extra[contracts.EXTRA_COST_SEED] = kv.pull_cost_seed
     return config
 
 

@@ -13,14 +13,17 @@ import random
 import statistics
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bpdkv import contracts
 from bpdkv.errors import BpdkvError
 from bpdkv.prometheus_text import metric_value
 from bpdkv.turn_client import TurnClient, TurnError, post_json, prefill_body
+from bpdkv.vllm_plugin import cost
 
 TAIL_TOKENS = 8  # new tokens after D's sequence, computed by P in both measurements
 # gpu.md: on H200 block 16 made pulls descriptor-bound (reuse useless); 128 moved 57-59 GB/s.
@@ -59,6 +62,10 @@ class Calibration:
     recommended_threshold: int | None
     descriptor_bound: str | None  # why the block size is flagged, or None
     notes: list[str]
+    # P's cost model seed (kv_transfer.pull_cost_seed; the plugin's bpdkv_cost_seed): P's prefill rate and this link's
+    # per-pull overhead and byte rate, so P decides well from its first offer (bpdkv/vllm_plugin/cost.py). None: too
+    # few pulls to fit.
+    cost_seed: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -118,7 +125,9 @@ def measure_size(prefill: str, decode: str, model: str, n: int, repeat: int, rng
         _, seconds = _post(prefill + route, _completion(model, fresh, cache_salt=uuid.uuid4().hex), timeout)
         compute.append(seconds)
         before = _p_counters(prefill)
-        _, seconds = _post(prefill + route, prefill_body(_completion(model, prompt), d_params, uuid.uuid4().hex), timeout)
+        # Pull whatever P's cost model would predict (it may know the link is slow): calibrate measures the pull.
+        asked = dict(d_params, **{contracts.PULL_ALWAYS: True})
+        _, seconds = _post(prefill + route, prefill_body(_completion(model, prompt), asked, uuid.uuid4().hex), timeout)
         after = _p_counters(prefill)
         got = after[0] - before[0]
         pulled.append(got)
@@ -161,6 +170,24 @@ def break_even(sizes: list[SizeResult], block_size: int | None) -> int | None:
         n = lo.tokens + frac * (hi.tokens - lo.tokens)
     block = block_size or 1
     return int(-(-int(n + 0.999) // block) * block)
+
+
+def cost_seed(sizes: list[SizeResult], decode: str) -> dict[str, Any] | None:
+    """The seed of P's cost model from the measured sizes. P's prefill rate: the slope of compute time against prompt
+    length (the fixed cost of a request is paid on both paths). A pull of N: what the pull request took beyond computing
+    its tail — pull_s - compute_s + N × slope — fitted against the bytes NIXL moved: per-pull overhead and byte rate.
+    Keyed by D's host (its NIXL side channel, where P reads from) and "*" (any other D, until P has measured it)."""
+    compute = cost.fit_line([(float(r.prompt_tokens), r.compute_s) for r in sizes])
+    if compute is None or compute.slope <= 0:
+        return None
+    seed: dict[str, Any] = {"prefill_tokens_per_s": round(1.0 / compute.slope, 1)}
+    pulls = [(r.xfer_bytes, r.pull_s - r.compute_s + r.tokens * compute.slope) for r in sizes if r.pull_s is not None and r.xfer_bytes > 0]
+    link = cost.fit_line([(b, max(t, 0.0)) for b, t in pulls])
+    if link is not None and link.slope > 0:
+        values = {"bytes_per_s": round(1.0 / link.slope), "overhead_s": round(link.intercept, 6)}
+        host = urllib.parse.urlsplit(decode).hostname or "*"
+        seed["links"] = {host: values, "*": values}
+    return seed
 
 
 def descriptor_flag(sizes: list[SizeResult], block_size: int | None, gpu: bool) -> str | None:
@@ -266,7 +293,16 @@ def calibrate(
     if recommended is None:
         notes.append("pulls never beat recomputing at the measured sizes: reuse does not pay on this fleet as configured")
     return Calibration(
-        prefill, decode, model, block_size, current_threshold, results, recommended, descriptor_flag(results, block_size, gpu), notes
+        prefill,
+        decode,
+        model,
+        block_size,
+        current_threshold,
+        results,
+        recommended,
+        descriptor_flag(results, block_size, gpu),
+        notes,
+        cost_seed(results, decode),
     )
 
 
@@ -286,6 +322,18 @@ def override_yaml(cal: Calibration, source: str) -> str:
         lines += ["kv_transfer:", f"  kv_recompute_threshold: {cal.recommended_threshold}  # break-even; {why}"]
     else:
         lines += ["# no kv_recompute_threshold: pulls never beat recomputing at the measured sizes"]
+    if cal.cost_seed is not None:
+        if cal.recommended_threshold is None:
+            lines += ["kv_transfer:"]
+        lines += [
+            "  # P's cost model starts from these (P's prefill rate; per D host: per-pull overhead, byte rate), then measures",
+            "  pull_cost_seed:",
+            f"    prefill_tokens_per_s: {cal.cost_seed['prefill_tokens_per_s']}",
+        ]
+        if cal.cost_seed.get("links"):
+            lines += ["    links:"]
+            for host, values in cal.cost_seed["links"].items():
+                lines += [f'      "{host}": {{bytes_per_s: {values["bytes_per_s"]}, overhead_s: {values["overhead_s"]}}}']
     if cal.descriptor_bound:
         lines += ["model:", f"  block_size: 128  # {cal.descriptor_bound.split(':')[0]}: small blocks make pulls descriptor-bound"]
     return "\n".join(lines) + "\n"

@@ -366,6 +366,34 @@ class TestHosts:
         )
         host.pid = proc.pid
 
+    def shape(self, host: TestHost, rate: str | None, burst: str = "32kb", latency: str = "10s") -> None:
+        """Throttle what the host sends (its eth0's egress) with a token bucket (`tc` tbf), e.g. rate "4mbit"; None
+        removes it. A slow link between P and D for the tests and the slow-link benchmark."""
+        if rate is None:
+            subprocess.run(["ip", "netns", "exec", host.name, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
+            return
+        _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                host.name,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                latency,
+            ]
+        )
+
     def exec(self, host: TestHost, command: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         """Run a command inside the host's namespaces (for test assertions), without SSH."""
         if host.pid is None:

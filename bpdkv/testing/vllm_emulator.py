@@ -29,11 +29,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from bpdkv import contracts
-from bpdkv.vllm_plugin import decide, digests
+from bpdkv.vllm_plugin import cost, decide, digests
 
 # Engines of this process, by engine id: the emulated NIXL fabric.
 FABRIC: dict[str, VllmEmulator] = {}
 DECLINE_WITHIN = 5.0  # seconds: P declines reads this close to expiry (upstream behaviour)
+BYTES_PER_TOKEN = 1024  # what an emulated pull moves per token (nixl_bytes)
+# What the bpdkv connector reports when its cost model computed locally (bpdkv/vllm_plugin/connector.py).
+DECLINED_OUTCOME = {cost.Reason.LINK_SLOWER: contracts.PULL_LINK_SLOWER, cost.Reason.LEASE_CEILING: contracts.PULL_LEASE_CEILING}
 ALPHABET = "abcdefghijklmnopqrstuvwxyz     .,"
 
 
@@ -81,6 +84,8 @@ class VllmEmulator:
     requests: list[dict[str, Any]] = field(default_factory=list)  # what arrived (for tests)
     healthy: bool = True
     health_delay: float = 0.0  # seconds /health takes to answer (a busy or briefly stalled server)
+    # P with the bpdkv connector: its cost model, fed with the emulated compute and pull times it measures itself.
+    book: cost.Book = field(default_factory=cost.Book)
     running: int = 0  # requests being served now (in /metrics as running, or waiting beyond max_num_seqs)
     running_tokens: int = 0
     load_override: tuple[float, float, float] | None = None  # tests: (running, waiting, KV usage) /metrics reports
@@ -321,7 +326,10 @@ class VllmEmulator:
         self.count("prompt_tokens:local_cache_hit", cached)
         self.count("prompt_tokens:external_kv_transfer", external)
         self.count("prompt_tokens:local_compute", computed)
+        started = time.monotonic()
         await asyncio.sleep(self.settings.prefill_seconds_per_token * computed)
+        if self.settings.prefill_plugin and role == "prefill":
+            self.book.observe_compute(computed, time.monotonic() - started)  # the connector's sample of P's rate
         # Wrong KV yields a different answer, as with the real defect (the emulator does not model cache poisoning).
         basis = tokens if poisoned_by is None else poisoned_by + tokens[len(poisoned_by) :] + [0]
         if poisoned_by is None:
@@ -450,12 +458,27 @@ class VllmEmulator:
             self.count("emulator_pulls_skipped")
             return 0, None, outcome
         assert decode is not None
+        link = f"{params.get(contracts.REMOTE_HOST)}:{params.get(contracts.REMOTE_PORT)}"
+        bs = self.settings.block_size
+        if plugin:  # the connector's cost model: pull, pull a prefix, or compute locally (and let D's hold go)
+            choice = self.book.decide(
+                link, cost.Request(n, bs, bs * BYTES_PER_TOKEN, self.settings.kv_recompute_threshold), time.monotonic()
+            )
+            self.count(f"emulator_decisions:{choice.outcome.value}:{choice.reason.value}")
+            if not choice.pulls:
+                decode.held.pop(str(params.get(contracts.REMOTE_REQUEST_ID)), None)  # the fence's release
+                return 0, None, DECLINED_OUTCOME.get(choice.reason, choice.reason.value)
+            if choice.tokens < n:
+                n, outcome = choice.tokens, choice.outcome.value
         decode.held.pop(str(params.get(contracts.REMOTE_REQUEST_ID)), None)  # notify: D frees its blocks (single use)
         self.count("nixl_xfer_count")
-        self.count("nixl_bytes", n * 1024)
+        self.count("nixl_bytes", n * BYTES_PER_TOKEN)
         seconds = self.settings.pull_fixed_seconds + self.settings.pull_seconds_per_token * n
         self.count("nixl_xfer_seconds", seconds)
+        started = time.monotonic()
         await asyncio.sleep(seconds)
+        if plugin:
+            self.book.observe_pull(link, decode.engine_id, n * BYTES_PER_TOKEN, time.monotonic() - started, time.monotonic())
         theirs = held.tokens[: cached + n]
         if theirs != tokens[: cached + n]:
             bad = sum(1 for a, b in zip(theirs[cached:], tokens[cached : cached + n], strict=False) if a != b)

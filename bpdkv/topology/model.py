@@ -87,6 +87,7 @@ class KvTransferSpec:
     kv_load_failure_policy: str
     side_channel_base_port: int
     unverified_reuse: str
+    pull_cost_seed: dict[str, Any] | None = None  # bpdkv calibrate's seed of P's cost model (rendered for prefill instances)
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         kv_load_failure_policy=k.get("kv_load_failure_policy", "fail"),
         side_channel_base_port=int(k.get("side_channel_base_port", DEFAULT_SIDE_CHANNEL_BASE_PORT)),
         unverified_reuse=k.get("unverified_reuse", contracts.DEFAULT_UNVERIFIED_REUSE),
+        pull_cost_seed=k.get("pull_cost_seed"),
     )
     r = doc.get("router", {})
     margin = int(r.get("ttl_margin", 10))

@@ -19,10 +19,11 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from bpdkv import contracts
-from bpdkv.vllm_plugin import decide, digests, fence, handshake, hold
+from bpdkv.vllm_plugin import cost, decide, digests, fence, handshake, hold
 from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, require_supported
 
 require_supported()
@@ -45,7 +46,26 @@ COUNTERS = {
     "bpdkv_fence_pins_refused": "D: pins refused (hold gone, expiring, or pinned by another reader)",
     "bpdkv_fence_deferred_releases": "D: releases that waited for a pinned hold or skipped it for another",
     "bpdkv_fence_pins_lapsed": "D: pins whose lease ended before the hold was read",
+    "bpdkv_fence_releases": "D: holds let go at once because P computed locally instead (fence release)",
 }
+# P's cost model (cost.py): stats keys carry their labels after "|" (the stats dict must stay plain lists).
+DECISION_PREFIX = "bpdkv_decision|"  # |outcome|reason
+LINK_COUNTERS = {
+    "bpdkv_pull_seconds": "P: wall seconds of measured pulls, decision to blocks in (divide by bpdkv_pulls_measured)",
+    "bpdkv_pull_predicted_seconds": "P: seconds the cost model predicted for those pulls (where it had an estimate)",
+    "bpdkv_pulls_measured": "P: pulls measured per link",
+    "bpdkv_pull_mispredicted": "P: pulls much slower than predicted, failed reads and lapsed pins, per link",
+}
+LINK_GAUGES = {
+    "bpdkv_link_bytes_per_second": "P: the link's measured rate (cost model estimate; 0: none yet)",
+    "bpdkv_link_overhead_seconds": "P: the link's measured per-pull overhead",
+    "bpdkv_link_break_even_bytes_per_second": "P: the rate below which no pull from this link pays",
+}
+P_GAUGES = {"bpdkv_prefill_tokens_per_second": "P: its own measured prefill rate (cost model; 0: none yet)"}
+SLOW_LINK_CAUSES = (
+    "usual causes: UCX on EFA (NIXL falls back to TCP; set kv_transfer.backend: LIBFABRIC), P and D sharing one GPU, "
+    "no GPUDirect RDMA / peer access between the devices, a congested or cross-rack network"
+)
 # Last value wins (the scheduler reports them whenever they change).
 GAUGES = {
     "bpdkv_held_blocks": "D: KV blocks held for finished requests (waiting for a pull)",
@@ -64,6 +84,19 @@ OUTCOME_COUNTER = {
 PIN_OUTCOME = {"gone": "released", "expiring": "expiring", "pinned": "pin_busy", "unanswered": "pin_unanswered"}
 UNFENCED_OUTCOME = "unfenced_refused"  # D's params name no fence (an older plugin on D) and the fence is required
 LAPSED_OUTCOME = "pin_lapsed"
+# The digest check's and the fence's refusals, as the cost model's reasons (decision counters).
+REFUSAL_REASON = {
+    "mismatch": cost.Reason.MISMATCH,
+    "expiring": cost.Reason.EXPIRING,
+    "unverified_refused": cost.Reason.UNVERIFIED,
+    "released": cost.Reason.PIN_REFUSED,
+    "pin_busy": cost.Reason.PIN_REFUSED,
+    "pin_unanswered": cost.Reason.PIN_REFUSED,
+    UNFENCED_OUTCOME: cost.Reason.UNFENCED,
+}
+# What P reports to the router when its cost model computed locally.
+DECLINED_OUTCOME = {cost.Reason.LINK_SLOWER: contracts.PULL_LINK_SLOWER, cost.Reason.LEASE_CEILING: contracts.PULL_LEASE_CEILING}
+RELEASE_ANSWER_TIMEOUT = 2.0
 TEST_HOOKS_KEY = "bpdkv_test_hooks"  # extra config; never set in a deployment
 TEST_GATE_KEY = "bpdkv_test_wait_for"  # kv_transfer_params: a file P waits for after its pin (test hooks only)
 TEST_GATE_MAX = 120.0
@@ -81,6 +114,49 @@ def _test_gate_open(params: dict[str, Any]) -> bool:
     return os.path.exists(path) or time.monotonic() - params["_bpdkv_gate_since"] > TEST_GATE_MAX
 
 
+@dataclass
+class _Pull:
+    link: str  # D's side channel, host:port
+    engine: str
+    nbytes: float
+    predicted: float | None
+    started: float  # P's monotonic clock at the decision
+
+
+def _link_key(params: dict[str, Any]) -> str:
+    """A D engine's link, by its NIXL side channel (stable across D's restarts, unlike its engine id)."""
+    return f"{params.get(contracts.REMOTE_HOST)}:{params.get(contracts.REMOTE_PORT)}"
+
+
+def _cut(params: dict[str, Any], tokens: int, block_size: int) -> None:
+    """Pull only the first `tokens` (whole blocks) of D's offer: P computes the rest. The same cut as the digest check's."""
+    k = tokens // block_size
+    block_ids = params.get(contracts.REMOTE_BLOCK_IDS) or []
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        params[contracts.REMOTE_BLOCK_IDS] = [list(group[:k]) for group in block_ids]
+    else:
+        params[contracts.REMOTE_BLOCK_IDS] = list(block_ids[:k])
+    params[contracts.REMOTE_NUM_TOKENS] = k * block_size
+
+
+def _bytes_per_block(vllm_config: Any, kv_cache_config: Any, block_size: int) -> float:
+    """Bytes one pulled block moves on this P worker (every layer): from the KV cache layout where vLLM hands it over,
+    else from the model's shape. Unknown: one per token (the link's rate is then in tokens per second)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    try:
+        if groups:
+            total = sum(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in groups)
+            if total > 0:
+                return float(total)
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        size = model.dtype.itemsize if dtype == "auto" else (1 if "fp8" in str(dtype) else 2)
+        per_token = 2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size() * size
+        return float(per_token * block_size)
+    except Exception:  # noqa: BLE001 - a layout this code does not know: consistent units are all the model needs
+        return float(block_size)
+
+
 class BpdkvStats(StatsBase):  # type: ignore[misc,valid-type]
     """NIXL's transfer stats plus bpdkv's counters; tolerant of stats objects that lack them."""
 
@@ -90,7 +166,7 @@ class BpdkvStats(StatsBase):  # type: ignore[misc,valid-type]
             self.data[key] = []
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self.data.get(k) for k in (*COUNTERS, *GAUGES))
+        return super().is_empty() and not any(v for k, v in self.data.items() if k.startswith("bpdkv"))
 
     def aggregate(self, other: Any) -> Any:
         if other is not None and not other.is_empty():
@@ -123,6 +199,26 @@ def _prom_metrics_class() -> Any:
                 gauge = self._gauge_cls(name=f"vllm:{key}", documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent")
                 self.bpdkv_gauges[key] = create_metric_per_engine(gauge, self.per_engine_labelvalues)
 
+            # The cost model's series carry labels of their own (outcome and reason; link = D's side channel).
+            self.bpdkv_decisions = self._counter_cls(
+                name="vllm:bpdkv_pull_decisions",
+                documentation="P: what became of each offer of D's KV (outcome: pulled | partial | probe | recomputed) and why",
+                labelnames=[*labelnames, "outcome", "reason"],
+            )
+            self.bpdkv_link_counters = {
+                key: self._counter_cls(name=f"vllm:{key}", documentation=doc, labelnames=[*labelnames, "link"])
+                for key, doc in LINK_COUNTERS.items()
+            }
+            self.bpdkv_link_gauges = {
+                key: self._gauge_cls(
+                    name=f"vllm:{key}", documentation=doc, labelnames=[*labelnames, "link"], multiprocess_mode="mostrecent"
+                )
+                for key, doc in LINK_GAUGES.items()
+            }
+            for key, doc in P_GAUGES.items():
+                gauge = self._gauge_cls(name=f"vllm:{key}", documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent")
+                self.bpdkv_gauges[key] = create_metric_per_engine(gauge, self.per_engine_labelvalues)
+
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             super().observe(transfer_stats_data, engine_idx)
             for key, per_engine in self.bpdkv_counters.items():
@@ -133,6 +229,17 @@ def _prom_metrics_class() -> Any:
                 values = transfer_stats_data.get(key)
                 if values:
                     per_engine[engine_idx].set(values[-1])
+            engine = list(self.per_engine_labelvalues[engine_idx])
+            for key, values in transfer_stats_data.items():
+                if not values or "|" not in key:
+                    continue
+                name, *labels = key.split("|")
+                if name == DECISION_PREFIX[:-1] and len(labels) == 2:
+                    self.bpdkv_decisions.labels(*engine, *labels).inc(sum(values))
+                elif name in self.bpdkv_link_counters and len(labels) == 1:
+                    self.bpdkv_link_counters[name].labels(*engine, labels[0]).inc(sum(values))
+                elif name in self.bpdkv_link_gauges and len(labels) == 1:
+                    self.bpdkv_link_gauges[name].labels(*engine, labels[0]).set(values[-1])
 
     return BpdkvPromMetrics
 
@@ -182,15 +289,31 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._leases: dict[str, tuple[float, float]] = {}  # request id → (post the READ by, lease end), P's clock
         self._pulling: dict[str, dict[str, Any]] = {}  # request id → its params, stripped once the read is over
         self._fence_reported: dict[str, int] = {}
+        self._fence_releases = 0  # D: holds let go on P's release (fence thread)
         self._read_leases: dict[str, tuple[float, float]] = {}  # worker: what the scheduler sent
         if worker is not None and not fence.guard_reads(worker, self._read_leases):
             log.warning("bpdkv fence: this vLLM's NIXL worker lacks the read hooks; leases are not checked at read time")
+        # P's cost model (cost.py): pull only where the pull is predicted faster than computing the same tokens.
+        self._decision_mode = str(extra.get(cost.DECISION_KEY, "cost"))
+        if self._decision_mode not in ("cost", "threshold"):
+            raise ValueError(f"{cost.DECISION_KEY} must be cost or threshold, got {self._decision_mode!r}")
+        self._book = cost.Book.from_config(extra)
+        kv_cache_config = getattr(self, "_kv_cache_config", None) or next((a for a in args if hasattr(a, "kv_cache_groups")), None)
+        self._bytes_per_block = _bytes_per_block(vllm_config, kv_cache_config, self._block_size)
+        self._pulls: dict[str, _Pull] = {}  # request id → the pull being measured
+        self._computes: dict[str, tuple[float, int]] = {}  # request id → (P started computing, tokens it computes)
+        self._local_hit: dict[str, int] = {}  # request id → P's own cached tokens when it was first asked about
+        self._releases: list[fence.PendingPin] = []  # holds P declined to pull, being let go on D
+        self._warm = False  # P: its first local prefill (warm-up) is not a sample of its rate
+        self._pin_choice: dict[str, cost.Choice] = {}  # request id → the cost model's choice, counted once the pin is settled
 
     # ---- P side ------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         params: Any = getattr(request, "kv_transfer_params", None)
         self._take_release_list(params)
+        self._poll_releases()
         rid = request.request_id
+        self._local_hit.setdefault(rid, num_computed_tokens)
         first_ask = False
         if decide.is_d_location(params) and not params.get("_bpdkv_checked"):
             prompt = list(request.prompt_token_ids or [])
@@ -203,10 +326,22 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             if counter:
                 self._stats.data[counter].append(1)
             log.debug("bpdkv pull decision for %s: %s (%d tokens)", rid, decision.outcome, decision.verified_tokens)
-            if decide.is_d_location(params) and self._will_read(params, request, num_computed_tokens):
-                first_ask = self._ask_pin(rid, params, decision.verified_tokens)
+            pulled_to = decision.verified_tokens
+            if not decide.is_d_location(params):
+                reason = REFUSAL_REASON.get(decision.outcome)
+                if reason is not None:
+                    self._count_decision(cost.Outcome.RECOMPUTED, reason)
+            elif self._will_read(params, request, num_computed_tokens):
+                choice = self._choose(rid, params, request, num_computed_tokens)
+                pulled_to = num_computed_tokens + choice.tokens
+                if choice.pulls:
+                    first_ask = self._ask_pin(rid, params, pulled_to, choice)
+                if rid not in self._pins_in_flight and decide.is_d_location(params):
+                    self._count_decision(choice.outcome, choice.reason)
+            else:
+                self._count_decision(cost.Outcome.RECOMPUTED, cost.Reason.BELOW_THRESHOLD)  # upstream only notifies D
             if decide.is_d_location(params) and rid not in self._pins_in_flight:
-                self._count_verified(decision.verified_tokens, num_computed_tokens)
+                self._count_verified(pulled_to, num_computed_tokens)
         if rid in self._pins_in_flight:
             pending, verified = self._pins_in_flight[rid]
             answer = pending.poll(fence.FIRST_WAIT if first_ask else 0.0)
@@ -224,6 +359,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             params.update(decide.strip_pull(params))
             params[hold.PULL_OUTCOME_KEY] = LAPSED_OUTCOME
             self._stats.data["bpdkv_pin_lapsed"].append(1)
+            self._pull_failed(rid, measured=False)
         if decide.is_d_location(params):
             self._pulling[rid] = params
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -245,9 +381,111 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if verified_tokens and verified_tokens > num_computed_tokens:
             self._stats.data["bpdkv_verified_tokens"].append(verified_tokens - num_computed_tokens)
 
+    # ---- the cost model (cost.py): pull, pull a prefix, or compute locally --------------------------------------
+    def _choose(self, rid: str, params: dict[str, Any], request: Any, computed: int) -> cost.Choice:
+        """Decide for a read upstream would make; cut the params to a partial pull, or strip them (and let D's hold
+        go) when computing is predicted faster."""
+        prompt_tokens = int(getattr(request, "num_prompt_tokens", 0) or len(request.prompt_token_ids or []))
+        offered = min(int(params.get("remote_num_tokens") or 0), prompt_tokens) - computed
+        key = _link_key(params)
+        now = time.monotonic()
+        req = cost.Request(offered, self._block_size, self._bytes_per_block, self._recompute_threshold)
+        if self._decision_mode == "threshold" or params.get(contracts.PULL_ALWAYS):
+            link = self._book.link(key).estimate.fit
+            predicted = link.at(offered / self._block_size * self._bytes_per_block) if link else None
+            reason = cost.Reason.ASKED if params.get(contracts.PULL_ALWAYS) else cost.Reason.THRESHOLD_ONLY
+            choice = cost.Choice(cost.Outcome.PULLED, reason, offered, predicted)
+        else:
+            choice = self._book.decide(key, req, now)
+        log.debug("bpdkv cost model for %s from %s: %s", rid, key, choice)
+        if not choice.pulls:
+            self._decline(params, choice)
+            return choice
+        if choice.tokens < offered:
+            _cut(params, computed + choice.tokens, self._block_size)
+            params[hold.PULL_OUTCOME_KEY] = choice.outcome.value
+        nbytes = choice.tokens / self._block_size * self._bytes_per_block
+        engine = str(params.get(contracts.REMOTE_ENGINE_ID))
+        self._pulls[rid] = _Pull(key, engine, nbytes, choice.predicted_pull_s, now)
+        return choice
+
+    def _decline(self, params: dict[str, Any], choice: cost.Choice) -> None:
+        """Compute locally: D need not keep the blocks for the TTL; its fence lets them go at once."""
+        endpoint = fence.parse_endpoint(params.get(fence.FENCE_KEY))
+        if endpoint is not None and self._fence_mode != "off":
+            rid = str(params.get(contracts.REMOTE_REQUEST_ID))
+            self._releases.append(fence.PendingPin(endpoint, rid, RELEASE_ANSWER_TIMEOUT, op="release"))
+        params.update(decide.strip_pull(params))
+        params[hold.PULL_OUTCOME_KEY] = DECLINED_OUTCOME.get(choice.reason, choice.reason.value)
+        self._count_decision(choice.outcome, choice.reason)
+
+    def _poll_releases(self) -> None:
+        if self._releases:
+            self._releases = [r for r in self._releases if r.poll() is None]
+
+    def _count_decision(self, outcome: cost.Outcome, reason: cost.Reason) -> None:
+        self._stats.data.setdefault(f"{DECISION_PREFIX}{outcome.value}|{reason.value}", []).append(1)
+
+    def _pull_done(self, rid: str, now: float) -> None:
+        """A measured pull's blocks are in: update the link's estimate."""
+        pull = self._pulls.pop(rid, None)
+        if pull is None:
+            return
+        seconds = now - pull.started
+        predicted, mispredicted = self._book.observe_pull(pull.link, pull.engine, pull.nbytes, seconds, now)
+        data = self._stats.data
+        data.setdefault(f"bpdkv_pull_seconds|{pull.link}", []).append(seconds)
+        data.setdefault(f"bpdkv_pulls_measured|{pull.link}", []).append(1)
+        if predicted is not None:
+            data.setdefault(f"bpdkv_pull_predicted_seconds|{pull.link}", []).append(predicted)
+        if mispredicted:
+            data.setdefault(f"bpdkv_pull_mispredicted|{pull.link}", []).append(1)
+            log.warning("bpdkv: pull from %s took %.3f s, predicted %.3f s: estimate updated", pull.link, seconds, predicted or 0.0)
+        self._computes[rid] = (now, 0)  # the tail after a pull is no sample of P's rate (cost.Book.observe_compute)
+        self._report_link(pull.link, now)
+
+    def _pull_failed(self, rid: str, measured: bool = True) -> None:
+        """A read that lapsed or failed: a mis-prediction. A read that was posted and failed (or finished after its
+        lease) is a slow pull for the link's estimate at once; a lease that ran out before P could post the READ (P
+        short of blocks, held up) says nothing about the link."""
+        pull = self._pulls.pop(rid, None)
+        if pull is None:
+            return
+        now = time.monotonic()
+        if measured:
+            self._book.observe_failure(pull.link, pull.nbytes, now - pull.started, now)
+        self._stats.data.setdefault(f"bpdkv_pull_mispredicted|{pull.link}", []).append(1)
+        self._report_link(pull.link, now)
+
+    def _report_link(self, key: str, now: float) -> None:
+        link = self._book.link(key)
+        slow, rate, need = self._book.below_break_even(key, self._bytes_per_block, self._block_size)
+        data = self._stats.data
+        data.setdefault(f"bpdkv_link_bytes_per_second|{key}", []).append(rate or 0.0)
+        data.setdefault(f"bpdkv_link_overhead_seconds|{key}", []).append(link.overhead_s or 0.0)
+        if need is not None:
+            data.setdefault(f"bpdkv_link_break_even_bytes_per_second|{key}", []).append(need)
+        if slow and not link.slow and now - link.warned_at >= cost.WARN_EVERY_S:
+            link.warned_at = now
+            log.warning(
+                "bpdkv: the KV link from D %s moves %.1f MB/s, below the %.1f MB/s at which pulling beats recomputing on "
+                "this P: P computes locally (and probes the link now and then); %s",
+                key,
+                (rate or 0.0) / 1e6,
+                need / 1e6 if need else 0.0,
+                SLOW_LINK_CAUSES,
+            )
+        link.slow = slow
+
+    def _report_compute(self) -> None:
+        fit = self._book.compute.fit
+        if fit is not None and fit.slope > 0:
+            self._stats.data.setdefault("bpdkv_prefill_tokens_per_second", []).append(1.0 / fit.slope)
+
     # ---- the read fence (fence.py): P pins D's hold before reading it ------------------------------------
-    def _ask_pin(self, rid: str, params: dict[str, Any], verified_tokens: int) -> bool:
-        """Start a pin for a pull P decided to make; True when a pin is now in flight."""
+    def _ask_pin(self, rid: str, params: dict[str, Any], verified_tokens: int, choice: cost.Choice | None = None) -> bool:
+        """Start a pin for a pull P decided to make; True when a pin is now in flight. The lease asked for is sized to
+        the predicted pull (none predicted: D's own lease)."""
         if self._fence_mode == "off":
             return False
         endpoint = fence.parse_endpoint(params.get(fence.FENCE_KEY))
@@ -255,23 +493,34 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             params.update(decide.strip_pull(params))
             params[hold.PULL_OUTCOME_KEY] = UNFENCED_OUTCOME
             self._stats.data["bpdkv_pin_refused"].append(1)
+            self._count_decision(cost.Outcome.RECOMPUTED, cost.Reason.UNFENCED)
+            self._pulls.pop(rid, None)
             return False
+        predicted = choice.predicted_pull_s if choice is not None else None
+        lease = cost.lease_for(predicted, self._book.lease_ceiling) if predicted is not None else None
         self._pins_in_flight[rid] = (
-            fence.PendingPin(endpoint, str(params.get("remote_request_id")), self._pin_answer_timeout),
+            fence.PendingPin(endpoint, str(params.get("remote_request_id")), self._pin_answer_timeout, lease=lease),
             verified_tokens,
         )
+        if choice is not None:
+            self._pin_choice[rid] = choice
         return True
 
     def _settle_pin(
         self, rid: str, params: dict[str, Any], pending: fence.PendingPin, answer: fence.PinAnswer, verified: int, computed: int
     ) -> None:
         self._stats.data["bpdkv_pin_wait_seconds"].append(time.monotonic() - pending.first_sent)
+        choice = self._pin_choice.pop(rid, None)
         if answer.lease_end is None:
             log.info("bpdkv: pin on %s refused (%s): computing locally", params.get("remote_request_id"), answer.refused)
             params.update(decide.strip_pull(params))
             params[hold.PULL_OUTCOME_KEY] = PIN_OUTCOME.get(answer.refused or "gone", "released")
             self._stats.data["bpdkv_pin_refused"].append(1)
+            self._count_decision(cost.Outcome.RECOMPUTED, cost.Reason.PIN_REFUSED)
+            self._pulls.pop(rid, None)
             return
+        if choice is not None:
+            self._count_decision(choice.outcome, choice.reason)
         lease = answer.lease_end - pending.first_sent
         post_by = answer.lease_end - min(self._read_budget, lease / 2)
         self._leases[rid] = (post_by, answer.lease_end)
@@ -283,12 +532,20 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._read_leases.update(getattr(meta, "bpdkv_read_leases", None) or {})
         super().start_load_kv(forward_context, **kwargs)
 
-    def _answer_pin(self, remote_request_id: str, token: str) -> float | str:
-        """D, fence thread: the ledger decides under its lock."""
-        answer = self._ledger.pin(remote_request_id, token, time.monotonic(), self._pin_lease)
+    def _answer_pin(self, remote_request_id: str, token: str, lease: float | None = None) -> float | str:
+        """D, fence thread: the ledger decides under its lock. The lease P asked for, at most D's own."""
+        granted = min(lease, self._pin_lease) if lease is not None else self._pin_lease
+        answer = self._ledger.pin(remote_request_id, token, time.monotonic(), granted)
         if isinstance(answer, hold.PinGrant):
-            return self._pin_lease
+            return granted
         return answer.value
+
+    def _answer_release(self, remote_request_id: str) -> bool:
+        """D, fence thread: P computes locally instead of pulling this hold: let it go at the next step."""
+        released = self._ledger.release_soon(remote_request_id, hold.ReleaseReason.DECLINED)
+        if released:
+            self._fence_releases += 1
+        return released
 
     def _fence_endpoint(self) -> str | None:
         """D: the fence's endpoint, started on the first hold (P instances never start one). By default UDP on the
@@ -298,7 +555,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             host = str(getattr(sched, "side_channel_host", None) or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"))
             port = self._fence_port if self._fence_port is not None else int(getattr(sched, "side_channel_port", 0) or 0)
             try:
-                self._fence = fence.FenceServer(host, port, self._answer_pin)
+                self._fence = fence.FenceServer(host, port, self._answer_pin, self._answer_release)
                 log.info("bpdkv fence listening on udp %s (pin lease %.1f s)", self._fence.endpoint, self._pin_lease)
             except OSError as exc:
                 self._fence_failed = True  # P refuses unfenced params: no reuse from this D, but never a wrong read
@@ -312,6 +569,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             "bpdkv_fence_pins_refused": sum(self._ledger.pins_refused.values()),
             "bpdkv_fence_deferred_releases": self._ledger.deferred_releases,
             "bpdkv_fence_pins_lapsed": self._ledger.pins_lapsed,
+            "bpdkv_fence_releases": self._fence_releases,
         }
         for key, value in now.items():
             delta = value - self._fence_reported.get(key, 0)
@@ -326,7 +584,13 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         super().shutdown()
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
-        self._asked.pop(request.request_id, None)  # it got its blocks
+        rid = request.request_id
+        self._asked.pop(rid, None)  # it got its blocks
+        if num_external_tokens == 0 and rid not in self._computes:
+            # P computes it all from here: a sample of P's own prefill rate when it finishes after one token.
+            prompt_tokens = int(getattr(request, "num_prompt_tokens", 0) or len(request.prompt_token_ids or []))
+            self._computes[rid] = (time.monotonic(), prompt_tokens - self._local_hit.get(rid, 0))
+            self._pulls.pop(rid, None)  # nothing pulled after all (e.g. upstream found nothing to read)
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     # ---- D side ------------------------------------------------------------------------------------------
@@ -397,6 +661,9 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         return True
 
     def _forget(self, request_id: str) -> None:
+        self._pulls.pop(request_id, None)
+        self._local_hit.pop(request_id, None)
+        self._pin_choice.pop(request_id, None)
         self._asked.pop(request_id, None)
         self._leases.pop(request_id, None)
         self._pulling.pop(request_id, None)
@@ -404,11 +671,24 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if pending is not None:
             pending[0].close()
 
+    def _computed(self, request: Any) -> None:
+        """P's prefill rate: a request that finished after its first token was all prefill from when it was timed."""
+        started = self._computes.pop(request.request_id, None)
+        if started is None or len(getattr(request, "output_token_ids", None) or ()) > 1:
+            return
+        if not self._warm:  # vLLM's first step after start-up runs its lazy set-up: no sample of the rate
+            self._warm = started[1] >= cost.MIN_COMPUTE_TOKENS
+            return
+        self._book.observe_compute(started[1], time.monotonic() - started[0])
+        self._report_compute()
+
     def request_finished(self, request: Any, block_ids: Any) -> Any:
+        self._computed(request)
         self._forget(request.request_id)
         return self._annotate(request, super().request_finished(request, block_ids), block_ids)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        self._computed(request)
         self._forget(request.request_id)
         return self._annotate(request, super().request_finished_all_groups(request, block_ids), block_ids)
 
@@ -444,6 +724,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             self._to_release += released
             self._report_hold()
         self._report_fence()
+        self._poll_releases()
         self._relieve_pressure()
         to_recv = getattr(meta, "reqs_to_recv", None)
         if self._leases and isinstance(to_recv, dict):
@@ -483,7 +764,12 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
+        now = time.monotonic()
         for rid in getattr(connector_output, "finished_recving", None) or ():
+            if rid in failed:
+                self._pull_failed(rid)
+            else:
+                self._pull_done(rid, now)
             params = self._pulling.pop(rid, None)
             if params is not None:
                 # D's blocks are read once (P's notification frees them, the pin is spent): if vLLM recomputes this
@@ -492,7 +778,6 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
                 params.update(decide.strip_pull(params))
                 if rid in failed:
                     params[hold.PULL_OUTCOME_KEY] = LAPSED_OUTCOME
-        now = time.monotonic()
         changed = False
         for rid in getattr(connector_output, "finished_sending", None) or ():
             reason = self._ledger.finished_sending(rid, now)

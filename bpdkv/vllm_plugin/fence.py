@@ -5,9 +5,13 @@ knowing yet, hands D's params to P. Without a fence P's READ lands on blocks D h
 digests still match (they cover token ids, not block contents), so P would use wrong KV silently.
 
 Protocol (one UDP datagram each way, retransmitted; D's scheduler answers from its own thread, so an idle D answers too):
-- P → D: {"v": 1, "op": "pin", "id": D's request id, "token": P's random token}
+- P → D: {"v": 1, "op": "pin", "id": D's request id, "token": P's random token, "lease": seconds P asks for}
 - D → P: {"v": 1, "token": ..., "pinned": lease seconds} or {"v": 1, "token": ..., "refused": "gone" | "expiring" | "pinned"}
-D grants a pin only while the hold is held and its TTL outlasts the lease; while pinned, D frees the blocks only after
+- P → D: {"v": 1, "op": "release", "id": ..., "token": ...} — P computes locally instead (cost model, cost.py): D lets
+  the hold go at once instead of keeping it for the TTL. D → P: {"v": 1, "token": ..., "released": true | false}.
+P sizes the lease to its predicted pull (cost.lease_for: headroom and slack over the prediction, within a ceiling); D
+grants the lease asked, at most its own `bpdkv_pin_lease` (a P that asks for none gets that; an older D ignores the
+field and grants its own). D grants a pin only while the hold is held and its TTL outlasts the lease; while pinned, D frees the blocks only after
 P's read-done notification (upstream's) or when the lease ends. P takes its lease to end `lease` seconds after it
 *first sent* the ask (D granted later, so D's lease ends later), posts the READ only while enough of the lease is left,
 and treats a read that completes after the lease as failed (local compute). A refused or unanswered pin is a local
@@ -39,7 +43,7 @@ FENCE_KEY = contracts.FENCE
 # kv_connector_extra_config keys
 FENCE_MODE_KEY = "bpdkv_fence"  # "require" (default): never read D blocks without a pin; "off": no fence (unsafe)
 FENCE_PORT_KEY = "bpdkv_fence_port"  # D: UDP port of the fence (unset: the side-channel port number; 0: any free port)
-PIN_LEASE_KEY = "bpdkv_pin_lease"  # D: seconds a pin protects a hold
+PIN_LEASE_KEY = "bpdkv_pin_lease"  # D: most seconds a pin protects a hold (P asks for less, sized to its pull)
 PIN_ANSWER_TIMEOUT_KEY = "bpdkv_pin_answer_timeout"  # P: give up on an unanswered pin after this (local compute)
 READ_BUDGET_KEY = "bpdkv_pin_read_budget"  # P: a READ is posted only while at least this much of the lease is left
 
@@ -67,8 +71,11 @@ class PinAnswer:
         return self.lease_end is not None
 
 
-def ask_message(request_id: str, token: str) -> bytes:
-    return json.dumps({"v": VERSION, "op": "pin", "id": request_id, "token": token}).encode()
+def ask_message(request_id: str, token: str, lease: float | None = None, op: str = "pin") -> bytes:
+    body: dict[str, object] = {"v": VERSION, "op": op, "id": request_id, "token": token}
+    if lease is not None:
+        body["lease"] = lease
+    return json.dumps(body).encode()
 
 
 def answer_message(token: str, lease: float | None, refused: str | None) -> bytes:
@@ -99,14 +106,16 @@ def parse_endpoint(text: object) -> tuple[str, int] | None:
     return (host.strip("[]"), number) if host and 0 < number < 65536 else None
 
 
-# A handler answers one pin: (request id, token) → lease seconds granted, or the refusal reason.
-PinHandler = Callable[[str, str], "float | str"]
+# A handler answers one pin: (request id, token, lease asked or None) → lease seconds granted, or the refusal reason.
+PinHandler = Callable[[str, str, "float | None"], "float | str"]
+# A release (P computes locally): request id → whether a hold was let go.
+ReleaseHandler = Callable[[str], bool]
 
 
 class FenceServer:
     """D: answers pins from a daemon thread, independent of engine steps (an idle D's engine does not step)."""
 
-    def __init__(self, host: str, port: int, handler: PinHandler) -> None:
+    def __init__(self, host: str, port: int, handler: PinHandler, release: ReleaseHandler | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_DGRAM)
         self._sock.bind((host, port))
@@ -114,6 +123,7 @@ class FenceServer:
         self.host = host
         self.port = int(self._sock.getsockname()[1])
         self._handler = handler
+        self._release = release
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="bpdkv_fence", daemon=True)
         self._thread.start()
@@ -133,16 +143,28 @@ class FenceServer:
                     return
                 continue
             msg = parse(raw)
-            if msg is None or msg.get("op") != "pin" or not isinstance(msg.get("id"), str):
+            if msg is None or msg.get("op") not in ("pin", "release") or not isinstance(msg.get("id"), str):
                 continue  # not ours (or a newer protocol): no answer, P treats it as unanswered
             token = str(msg["token"])
-            try:
-                result = self._handler(str(msg["id"]), token)
-            except Exception:  # noqa: BLE001 - a bug here must not kill the fence thread; refusing is always safe
-                log.exception("bpdkv fence: pin handler failed; refusing")
-                result = "gone"
-            lease = float(result) if isinstance(result, (int, float)) else None
-            reply = answer_message(token, lease, None if lease is not None else str(result))
+            if msg["op"] == "release":
+                if self._release is None:
+                    continue
+                try:
+                    released = self._release(str(msg["id"]))
+                except Exception:  # noqa: BLE001 - the hold then ends by its TTL or the budget: safe
+                    log.exception("bpdkv fence: release handler failed")
+                    released = False
+                reply = json.dumps({"v": VERSION, "token": token, "released": bool(released)}).encode()
+            else:
+                asked = msg.get("lease")
+                asked_lease = float(asked) if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0 else None
+                try:
+                    result = self._handler(str(msg["id"]), token, asked_lease)
+                except Exception:  # noqa: BLE001 - a bug here must not kill the fence thread; refusing is always safe
+                    log.exception("bpdkv fence: pin handler failed; refusing")
+                    result = "gone"
+                lease = float(result) if isinstance(result, (int, float)) else None
+                reply = answer_message(token, lease, None if lease is not None else str(result))
             try:
                 self._sock.sendto(reply, peer)
             except OSError:
@@ -157,11 +179,20 @@ class FenceServer:
 class PendingPin:
     """P: one pin in flight. `poll` never blocks longer than asked; the answer (or the give-up) is final."""
 
-    def __init__(self, endpoint: tuple[str, int], request_id: str, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        endpoint: tuple[str, int],
+        request_id: str,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        lease: float | None = None,
+        op: str = "pin",
+    ) -> None:
         self._clock = clock
         self.endpoint = endpoint
         self.token = secrets.token_hex(8)
-        self._ask = ask_message(request_id, self.token)
+        self.op = op
+        self._ask = ask_message(request_id, self.token, lease, op)
         family = socket.AF_INET6 if ":" in endpoint[0] else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
@@ -204,6 +235,8 @@ class PendingPin:
 
     def _finish(self, msg: dict[str, object]) -> PinAnswer:
         self.round_trip = self._clock() - self.first_sent
+        if self.op == "release":
+            return self._settle(PinAnswer(None, "released" if msg.get("released") else "gone"))
         lease = msg.get("pinned")
         if isinstance(lease, (int, float)):
             return self._settle(PinAnswer(self.first_sent + float(lease)))

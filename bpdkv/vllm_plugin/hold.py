@@ -47,6 +47,7 @@ class ReleaseReason(enum.Enum):
     PRESSURE = "pressure"  # live requests needed blocks
     TTL = "ttl"  # decoder_kv_blocks_ttl ended without a pull
     NOT_OFFERED = "not_offered"  # the router said it will not offer them again
+    DECLINED = "declined"  # P computed locally instead of pulling (its cost model) and let the hold go (fence release)
 
 
 class PinRefusal(enum.Enum):
@@ -167,6 +168,16 @@ class HoldLedger:
                     self._announce.append(request_id)
                 return False
             self._release(request_id, reason)
+            return True
+
+    def release_soon(self, request_id: str, reason: ReleaseReason) -> bool:
+        """`release` from another thread (the fence's): what the worker must free is handed out by the next `tick`.
+        True when a hold was let go (or will be once its pin ends)."""
+        with self._lock:
+            if request_id not in self._held or request_id in self._deferred:
+                return False
+            if self.release(request_id, reason):
+                self._due.append(request_id)
             return True
 
     def _release(self, request_id: str, reason: ReleaseReason) -> None:

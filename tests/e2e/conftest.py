@@ -50,18 +50,25 @@ class VllmServer:
         extra: dict[str, Any] | None = None,
         model: Path = MODEL_DIR,
         args: tuple[str, ...] = (),
+        netns: str | None = None,
+        address: str = "127.0.0.1",
     ) -> None:
+        """netns: run inside that network namespace (a lab test host, bpdkv/lab/hosts.py) at `address`; NIXL then
+        goes over the host's eth0 (UCX over TCP), where `tc` can throttle it."""
         self.name = name
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{address}:{self.port}"
         self.log = log_dir / f"{name}.log"
         env = dict(os.environ, **BASE_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+        if netns is not None:
+            env.update(UCX_NET_DEVICES="eth0", VLLM_NIXL_SIDE_CHANNEL_HOST=address)
         # vLLM's engine IPC sockets go here (default: /tmp, where they would stay behind); removed by stop().
         self.ipc_dir = Path(tempfile.mkdtemp(prefix=f"bpdkv-{name}-ipc-"))  # short: socket paths max 107 bytes
         env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
         if not plugins:
             env["VLLM_PLUGINS"] = "none"  # an unpatched server: no general plugin is loaded
         argv = [
+            *(["ip", "netns", "exec", netns] if netns is not None else []),
             "timeout",
             str(MAX_LIFETIME),
             str(VLLM_PYTHON),
@@ -72,7 +79,7 @@ class VllmServer:
             "--served-model-name",
             "tiny",
             "--host",
-            "127.0.0.1",
+            address,
             "--port",
             str(self.port),
             "--max-model-len",

@@ -125,8 +125,13 @@ def reference(server_factory: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pd(server_factory: Any, reference: dict[str, Any]) -> Any:
-    # Test hooks on: a fence test may make P wait between its pin and its read (nothing else changes).
-    p, d = server_factory(("prefill", "kv_producer"), ("decode", "kv_consumer"), extra={"bpdkv_test_hooks": True})
+    # Test hooks on: a fence test may make P wait between its pin and its read (nothing else changes). The token-count
+    # rule alone: these tests are about what is pulled (digests, holds, the fence) — on this machine the tiny model
+    # computes about as fast as loopback moves its KV, so the cost model (tests/e2e/test_slow_link.py) would pull or
+    # not by a coin toss.
+    p, d = server_factory(
+        ("prefill", "kv_producer"), ("decode", "kv_consumer"), extra={"bpdkv_test_hooks": True, "bpdkv_pull_decision": "threshold"}
+    )
     MEASURED["start_s_prefill"] = round(p.ready_after or 0, 1)
     MEASURED["start_s_decode"] = round(d.ready_after or 0, 1)
     MEASURED["rss_mb_prefill_after_start"] = round(p.rss_mb())

@@ -45,12 +45,18 @@ def test_break_even_matches_the_costs(fleet_factory: Any, tmp_path: Path) -> Non
     assert p.counters["nixl_xfer_count"] >= 5 and d is not None
     fragment = yaml.safe_load(override_yaml(cal, "test"))
     assert fragment["kv_transfer"]["kv_recompute_threshold"] == 64 and fragment["model"]["block_size"] == 128
+    # The seed of P's cost model: P's rate (1 / COMPUTE), the link's overhead (FIXED) and rate (emulated bytes / PULL).
+    seed = fragment["kv_transfer"]["pull_cost_seed"]
+    assert abs(seed["prefill_tokens_per_s"] - 1 / COMPUTE) < 0.2 / COMPUTE
+    link = seed["links"]["*"]
+    assert abs(link["overhead_s"] - FIXED) < 0.05 and abs(link["bytes_per_s"] - 1024 / PULL) < 0.3 * 1024 / PULL
     # The fragment merges into a real topology and validates.
     doc = yaml.safe_load((Path(__file__).parents[2] / "examples" / "local-cpu.yaml").read_text())
     doc["kv_transfer"].update(fragment["kv_transfer"])
     merged = tmp_path / "merged.yaml"
     merged.write_text(yaml.safe_dump(doc))
-    assert load_topology(merged).topology.kv_transfer.kv_recompute_threshold == 64
+    merged_kv = load_topology(merged).topology.kv_transfer
+    assert merged_kv.kv_recompute_threshold == 64 and merged_kv.pull_cost_seed == seed
 
 
 def test_pulls_that_never_pay_get_no_threshold(fleet_factory: Any, tmp_path: Path) -> None:
@@ -80,7 +86,11 @@ def test_pulls_that_never_pay_get_no_threshold(fleet_factory: Any, tmp_path: Pat
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["recommended_threshold"] is None and any("never beat" in n for n in data["notes"])
-    assert "\nkv_transfer:" not in override.read_text() and "no kv_recompute_threshold" in override.read_text()
+    text = override.read_text()
+    assert "kv_recompute_threshold" not in yaml.safe_load(text)["kv_transfer"] and "no kv_recompute_threshold" in text
+    # The cost model's seed still goes next to it: P then computes from its first offer instead of learning by a pull.
+    seed = yaml.safe_load(text)["kv_transfer"]["pull_cost_seed"]
+    assert seed["links"]["127.0.0.1"]["overhead_s"] > 1.5 and seed == data["cost_seed"]
 
 
 def test_bad_sizes_are_one_line(fleet_factory: Any) -> None:

@@ -171,7 +171,7 @@ def test_no_pinned_hold_is_ever_handed_to_the_worker_to_free(budget: int, ops: l
 
 # ---- the UDP round trip ---------------------------------------------------------------------------------------------
 def serve(answers: dict[str, float | str]) -> fence.FenceServer:
-    return fence.FenceServer("127.0.0.1", 0, lambda rid, token: answers.get(rid, "gone"))
+    return fence.FenceServer("127.0.0.1", 0, lambda rid, token, lease: answers.get(rid, "gone"))
 
 
 def test_pin_round_trip_granted_and_refused() -> None:
@@ -237,7 +237,7 @@ def test_a_lost_ask_is_resent_and_answers_with_other_tokens_are_ignored() -> Non
 def test_the_server_ignores_garbage_and_survives_a_failing_handler() -> None:
     calls = []
 
-    def handler(rid: str, token: str) -> float | str:
+    def handler(rid: str, token: str, lease: float | None) -> float | str:
         calls.append(rid)
         if rid == "boom":
             raise RuntimeError("bug")
@@ -268,7 +268,7 @@ def test_pin_round_trip_cost_on_loopback() -> None:
     ledger = HoldLedger(10_000)
     for i in range(200):
         ledger.hold(h(f"r{i}", 1, expires_at=time.monotonic() + 600))
-    server = fence.FenceServer("127.0.0.1", 0, lambda rid, token: _grant(ledger, rid, token))
+    server = fence.FenceServer("127.0.0.1", 0, lambda rid, token, lease: _grant(ledger, rid, token))
     try:
         trips = []
         for i in range(200):
@@ -400,3 +400,40 @@ def test_read_completed_after_the_lease_is_reported_failed() -> None:
 
 def test_a_worker_without_the_hooks_is_reported() -> None:
     assert not fence.guard_reads(object(), {})
+
+
+def test_pin_asks_for_a_lease_and_release_lets_a_hold_go() -> None:
+    """P sizes its lease (cost model) and D grants at most its own; P computing locally releases the hold at once."""
+    ledger = HoldLedger(10_000)
+    ledger.hold(h("held", 1, expires_at=time.monotonic() + 600))
+    ledger.hold(h("other", 1, expires_at=time.monotonic() + 600))
+    asked: list[float | None] = []
+    ceiling = 20.0
+
+    def pin(rid: str, token: str, lease: float | None) -> float | str:
+        asked.append(lease)
+        granted = min(lease or ceiling, ceiling)
+        answer = ledger.pin(rid, token, time.monotonic(), granted)
+        return granted if isinstance(answer, PinGrant) else answer.value
+
+    def release(rid: str) -> bool:
+        return ledger.release(rid, ReleaseReason.NOT_OFFERED)
+
+    server = fence.FenceServer("127.0.0.1", 0, pin, release)
+    try:
+        endpoint = ("127.0.0.1", server.port)
+        short = fence.PendingPin(endpoint, "held", timeout=2.0, lease=3.5)
+        answer = short.poll(wait=2.0)
+        assert answer is not None and answer.lease_end == short.first_sent + 3.5
+        long = fence.PendingPin(endpoint, "other", timeout=2.0, lease=500.0)
+        answer = long.poll(wait=2.0)
+        assert answer is not None and answer.lease_end == long.first_sent + ceiling  # D's ceiling
+        assert asked == [3.5, 500.0]
+        ledger.finished_sending("other", time.monotonic())
+        ledger.hold(h("third", 1, expires_at=time.monotonic() + 600))
+        done = fence.PendingPin(endpoint, "third", timeout=2.0, op="release").poll(wait=2.0)
+        assert done == fence.PinAnswer(None, "released") and not ledger.holds("third")
+        again = fence.PendingPin(endpoint, "third", timeout=2.0, op="release").poll(wait=2.0)
+        assert again == fence.PinAnswer(None, "gone")
+    finally:
+        server.stop()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bpdkv.vllm_plugin.hold import Hold, HoldLedger, ReleaseReason, budget_blocks
+from bpdkv.vllm_plugin.hold import Hold, HoldLedger, PinGrant, ReleaseReason, budget_blocks
 
 
 def h(rid: str, blocks: int, expires_at: float = 100.0) -> Hold:
@@ -70,9 +70,10 @@ def test_finished_sending_counts_releases_by_reason() -> None:
         ReleaseReason.PRESSURE: 1,
         ReleaseReason.TTL: 1,
         ReleaseReason.NOT_OFFERED: 2,
+        ReleaseReason.DECLINED: 0,
     }
     assert ledger.held_blocks == 0
-    assert [r.value for r in ReleaseReason] == ["pulled", "budget", "pressure", "ttl", "not_offered"]
+    assert [r.value for r in ReleaseReason] == ["pulled", "budget", "pressure", "ttl", "not_offered", "declined"]
 
 
 @given(
@@ -97,3 +98,18 @@ def test_held_never_exceeds_the_budget_and_every_release_is_counted_once(budget:
         ledger.finished_sending(rid, 0.0)
     assert ledger.held_blocks == 0
     assert sum(ledger.releases.values()) == sum(1 for op, _ in ops if op == "hold")
+
+
+def test_release_soon_from_the_fence_thread_is_handed_out_by_the_next_tick() -> None:
+    """P computed locally (its cost model) and told D's fence: the hold goes at D's next step, counted as declined."""
+    ledger = HoldLedger(100)
+    ledger.hold(h("a", 2, expires_at=50.0))
+    ledger.hold(h("pinned", 2, expires_at=50.0))
+    assert isinstance(ledger.pin("pinned", "t", 0.0, 5.0), PinGrant)
+    assert ledger.release_soon("a", ReleaseReason.DECLINED)
+    assert not ledger.release_soon("a", ReleaseReason.DECLINED) and not ledger.release_soon("never", ReleaseReason.DECLINED)
+    assert ledger.release_soon("pinned", ReleaseReason.DECLINED)  # deferred: another reader holds the pin
+    assert ledger.tick(1.0) == ["a"]
+    assert ledger.tick(10.0) == ["pinned"]  # its pin ended unused
+    assert ledger.finished_sending("a", 2.0) is ReleaseReason.DECLINED
+    assert ledger.take_announcements()[:2] == ["a", "pinned"]

@@ -1,0 +1,250 @@
+"""P's pull-or-recompute cost model (bpdkv/vllm_plugin/cost.py): decisions, partial pulls, probes, lease sizing, and
+how the estimates follow slow, failed and recovered links."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from bpdkv.vllm_plugin import cost
+from bpdkv.vllm_plugin.cost import Fit, Outcome, Reason
+
+BS = 32
+BPB = 64 * 1024.0  # bytes per block (the CPU test model: 2 layers, 2 KV heads × 64, float32, block 32)
+
+rates = st.floats(1e5, 1e11)  # link bytes/s: 100 kB/s .. 100 GB/s
+overheads = st.floats(0.0, 0.5)
+compute_spt = st.floats(1e-6, 1e-2)  # P's seconds per token
+margins = st.floats(0.0, 0.9)
+offers = st.integers(0, 8192)
+thresholds = st.integers(0, 512)
+ceilings = st.floats(2.0, 120.0)
+
+
+def request(tokens: int, threshold: int = 0, bs: int = BS, bpb: float = BPB) -> cost.Request:
+    return cost.Request(tokens, bs, bpb, threshold)
+
+
+def pull_s(link: Fit, k: int, bs: int = BS, bpb: float = BPB) -> float:
+    return link.at(k / bs * bpb)
+
+
+@settings(max_examples=400)
+@given(offers, thresholds, rates, overheads, compute_spt, margins, ceilings, st.booleans())
+def test_choice_is_feasible_and_the_best_whole_block_prefix(
+    tokens: int, threshold: int, rate: float, overhead: float, spt: float, margin: float, ceiling: float, probe: bool
+) -> None:
+    link, compute = Fit(overhead, 1 / rate), Fit(0.01, spt)
+    choice = cost.choose(request(tokens, threshold), link, compute, margin, ceiling, probe_due=probe)
+    n = tokens - tokens % BS
+    assert 0 <= choice.tokens <= n and choice.tokens % BS == 0
+    if choice.pulls:
+        assert choice.tokens >= threshold
+    if choice.outcome in (Outcome.PULLED, Outcome.PARTIAL):
+        k = choice.tokens
+        assert pull_s(link, k) <= (1 - margin) * k * spt * (1 + 1e-9)  # pulled only where predicted faster by the margin
+        assert pull_s(link, k) <= cost.longest_pull(ceiling) * (1 + 1e-9)  # its lease has headroom under the ceiling
+        assert cost.lease_for(pull_s(link, k), ceiling) >= min(pull_s(link, k), ceiling)
+    # No whole-block prefix that is feasible saves more than the choice (brute force over every k).
+    best = max(
+        (
+            k * spt - pull_s(link, k)
+            for k in range(max(threshold, BS) + (-max(threshold, BS)) % BS, n + 1, BS)
+            if pull_s(link, k) <= (1 - margin) * k * spt and pull_s(link, k) <= cost.longest_pull(ceiling)
+        ),
+        default=None,
+    )
+    if choice.outcome in (Outcome.PULLED, Outcome.PARTIAL):
+        assert best is not None and choice.tokens * spt - pull_s(link, choice.tokens) >= best - 1e-9 * max(1.0, abs(best))
+    elif choice.outcome is Outcome.RECOMPUTED:
+        assert best is None, (choice, best)  # nothing would have paid
+    else:
+        assert probe and choice.reason is Reason.PROBE_DUE
+        assert best is None  # a probe only where a pull would not pay
+        extra = pull_s(link, choice.tokens) - choice.tokens * spt
+        floor = max(threshold, BS) + (-max(threshold, BS)) % BS
+        budget = max(cost.PROBE_SHARE * n * spt, cost.PROBE_MIN_BUDGET_S)
+        # bounded: within the budget, or no dearer than the shortest probe possible (itself at most PROBE_MAX_S)
+        shortest = pull_s(link, floor) - floor * spt
+        assert extra <= max(budget, shortest) * (1 + 1e-9) + 1e-12
+        assert shortest <= cost.PROBE_MAX_S
+
+
+@given(offers, thresholds, overheads, compute_spt, margins, st.floats(1e5, 1e10), st.floats(1.01, 100))
+def test_a_faster_link_never_turns_a_pull_into_a_recompute(
+    tokens: int, threshold: int, overhead: float, spt: float, margin: float, rate: float, factor: float
+) -> None:
+    slow = cost.choose(request(tokens, threshold), Fit(overhead, 1 / rate), Fit(0, spt), margin, cost.DEFAULT_LEASE_MAX_S)
+    fast = cost.choose(request(tokens, threshold), Fit(overhead, 1 / (rate * factor)), Fit(0, spt), margin, cost.DEFAULT_LEASE_MAX_S)
+    assert fast.tokens >= slow.tokens
+
+
+def test_the_cases_by_name() -> None:
+    spt = 1e-4  # P computes 10k tokens/s: 1,024 tokens in 102 ms
+    fast, slow = Fit(0.002, 1 / 1e9), Fit(0.002, 1 / 1e6)  # 32 MiB in 36 ms vs 33 s
+    choice = cost.choose(request(1024), fast, Fit(0, spt))
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.LINK_FASTER, 1024)
+    assert choice.predicted_pull_s == pytest.approx(0.002 + 32 * BPB / 1e9)
+    choice = cost.choose(request(1024), slow, Fit(0, spt))
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.RECOMPUTED, Reason.LINK_SLOWER, 0)
+    assert cost.choose(request(1024, threshold=2048), fast, Fit(0, spt)).reason is Reason.BELOW_THRESHOLD
+    assert cost.choose(request(20), fast, Fit(0, spt)).reason is Reason.BELOW_THRESHOLD  # not one whole block
+    # Nothing measured yet: pull as before (the pull measures the link).
+    for link, compute in ((None, Fit(0, spt)), (fast, None), (None, None)):
+        choice = cost.choose(request(1024), link, compute)
+        assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.NO_ESTIMATE, 1024)
+    # Pulling pays but the whole pull outlasts the longest lease: the prefix that fits, the rest computed.
+    big = 100_000
+    ok = Fit(0.01, 1 / 2e7)  # 20 MB/s: the whole offer (205 MB) in ~10 s, computing it 100 s
+    choice = cost.choose(request(big, bs=BS), ok, Fit(0, 1e-3), lease_ceiling=10.0)
+    assert choice.outcome is Outcome.PARTIAL and choice.reason is Reason.LEASE_CEILING
+    assert 0 < choice.tokens < big and choice.predicted_pull_s is not None
+    assert choice.predicted_pull_s <= cost.longest_pull(10.0)
+    # A slow link with a probe due: a short prefix, whose extra cost over computing it is bounded.
+    choice = cost.choose(request(4096), Fit(0.001, 1 / 2e6), Fit(0, spt), probe_due=True)
+    assert choice.outcome is Outcome.PROBE and BS <= choice.tokens < 4096
+    assert choice.predicted_pull_s is not None and choice.predicted_pull_s - choice.tokens * spt <= max(
+        cost.PROBE_SHARE * 4096 * spt, cost.PROBE_MIN_BUDGET_S
+    )
+    # A link so slow that even one block would cost more than PROBE_MAX_S: no probe.
+    assert cost.choose(request(4096), Fit(5.0, 1 / 1e3), Fit(0, spt), probe_due=True).outcome is Outcome.RECOMPUTED
+
+
+@given(st.floats(0.01, 100.0), ceilings)
+def test_lease_sized_to_the_pull_with_headroom_and_a_ceiling(predicted: float, ceiling: float) -> None:
+    lease = cost.lease_for(predicted, ceiling)
+    assert lease <= ceiling
+    assert lease >= min(cost.LEASE_FLOOR_S, ceiling)
+    if predicted <= cost.longest_pull(ceiling):
+        assert lease >= cost.LEASE_HEADROOM * predicted  # room for a pull twice as slow as predicted
+    assert cost.lease_for(predicted * 2, ceiling) >= lease  # monotone
+
+
+def test_fit_line_recovers_overhead_and_rate() -> None:
+    samples = [(b, 0.005 + b / 5e8) for b in (1e5, 5e5, 2e6, 8e6)]
+    fit = cost.fit_line(samples)
+    assert fit is not None and fit.intercept == pytest.approx(0.005) and 1 / fit.slope == pytest.approx(5e8)
+    same_size = cost.fit_line([(1e6, 0.010), (1e6, 0.012)], prior_intercept=0.004)
+    assert same_size is not None and same_size.intercept == 0.004 and same_size.slope == pytest.approx(0.007 / 1e6)
+    assert cost.fit_line([]) is None
+
+
+@given(st.lists(st.tuples(st.floats(1.0, 1e9), st.floats(0.0, 100.0)), min_size=1, max_size=20), st.floats(0, 1))
+def test_fit_line_is_always_usable(samples: list[tuple[float, float]], prior: float) -> None:
+    fit = cost.fit_line(samples, prior)
+    assert fit is not None and fit.intercept >= 0 and fit.slope > 0 and math.isfinite(fit.slope)
+
+
+def book_with(rate: float, overhead: float = 0.002, spt: float = 1e-4) -> cost.Book:
+    book = cost.Book()
+    for tokens in (100, 400, 1600):
+        book.observe_compute(tokens, 0.01 + tokens * spt)
+    book.observe_pull("d:1", "e1", 1e5, 1.0, now=0)  # the first pull from an engine (handshake): not fitted
+    for nbytes in (1e5, 1e6, 4e6):
+        book.observe_pull("d:1", "e1", nbytes, overhead + nbytes / rate, now=0)
+    return book
+
+
+def test_a_much_slower_pull_updates_the_estimate_at_once() -> None:
+    book = book_with(rate=1e9)
+    link = book.link("d:1")
+    assert link.bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    assert book.decide("d:1", request(1024), now=1).outcome is Outcome.PULLED
+    predicted, mispredicted = book.observe_pull("d:1", "e1", 2e6, 2.0, now=2)  # the link fell to ~1 MB/s
+    assert mispredicted and predicted is not None and predicted < 0.01
+    assert link.mispredicted == 1 and len(link.estimate.samples) == 1  # the old window is gone
+    choice = book.decide("d:1", request(1024), now=3)  # the very next request
+    assert choice.outcome is Outcome.RECOMPUTED and choice.reason is Reason.LINK_SLOWER
+    slow, rate, need = book.below_break_even("d:1", BPB, BS)
+    assert slow and rate is not None and need is not None and rate < need
+
+
+def test_a_failed_or_lapsed_read_counts_as_a_slow_pull() -> None:
+    book = book_with(rate=1e9)
+    book.observe_failure("d:1", 2e6, elapsed=0.5, now=1)
+    link = book.link("d:1")
+    assert link.mispredicted == 1
+    assert book.decide("d:1", request(1024), now=2).outcome is Outcome.RECOMPUTED
+
+
+def test_a_recovered_link_is_found_by_a_probe_and_reuse_resumes() -> None:
+    book = book_with(rate=1e9)
+    book.observe_pull("d:1", "e1", 2e6, 2.0, now=0)  # slow now
+    now = 1.0
+    assert book.decide("d:1", request(4096), now).outcome is Outcome.RECOMPUTED  # the probe waits for its interval
+    now += cost.PROBE_INTERVAL
+    probe = book.decide("d:1", request(4096), now)
+    assert probe.outcome is Outcome.PROBE
+    assert book.decide("d:1", request(4096), now + 1).outcome is Outcome.RECOMPUTED  # one probe per interval
+    # The link is fast again: the probe takes a fraction of its prediction.
+    nbytes = probe.tokens / BS * BPB
+    book.observe_pull("d:1", "e1", nbytes, 0.002 + nbytes / 1e9, now + 0.1)
+    choice = book.decide("d:1", request(4096), now + 0.2)
+    assert choice.outcome is Outcome.PULLED, choice  # the next request pulls in full and measures the link
+    book.observe_pull("d:1", "e1", 4096 / BS * BPB, 0.002 + 4096 / BS * BPB / 1e9, now + 0.3)
+    assert book.decide("d:1", request(4096), now + 0.4).outcome is Outcome.PULLED
+
+
+def test_probes_back_off_while_the_link_stays_slow() -> None:
+    book = book_with(rate=1e9)
+    book.observe_pull("d:1", "e1", 2e6, 2.0, now=0)
+    link = book.link("d:1")
+    times = []
+    now = 0.0
+    while now < 2000:
+        choice = book.decide("d:1", request(4096), now)
+        if choice.outcome is Outcome.PROBE:
+            times.append(now)
+            nbytes = choice.tokens / BS * BPB
+            book.observe_pull("d:1", "e1", nbytes, link.estimate.predict(nbytes) or 1.0, now)  # as slow as predicted
+        now += 1.0
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert gaps and gaps == sorted(gaps) and max(gaps) <= cost.PROBE_INTERVAL_MAX + 1
+    assert len(times) < 15  # ~2,000 requests, a handful of probes
+
+
+def test_seed_from_calibrate_and_bad_config() -> None:
+    seed = {"prefill_tokens_per_s": 10_000, "links": {"10.0.0.2": {"bytes_per_s": 1e6, "overhead_s": 0.01}, "*": {"bytes_per_s": 1e9}}}
+    book = cost.Book.from_config({cost.SEED_KEY: seed, cost.MARGIN_KEY: 0.1})
+    assert book.margin == 0.1
+    # The seeded slow link is known before any pull from it: the first offer is computed locally.
+    assert book.decide("10.0.0.2:5600", request(1024), now=1).outcome is Outcome.RECOMPUTED
+    assert book.decide("10.0.0.9:5600", request(1024), now=1).outcome is Outcome.PULLED  # "*": every other link
+    for bad in (
+        {cost.MARGIN_KEY: 1.0},
+        {cost.LEASE_MAX_KEY: 0.5},
+        {cost.PROBE_INTERVAL_KEY: 0},
+        {cost.SEED_KEY: [1]},
+        {cost.SEED_KEY: {"prefill_tokens_per_s": -1}},
+        {cost.SEED_KEY: {"links": {"h": {"overhead_s": 1}}}},
+        {cost.SEED_KEY: {"links": {"h": {"bytes_per_s": 0}}}},
+    ):
+        with pytest.raises(ValueError):
+            cost.Book.from_config(bad)
+
+
+@given(st.lists(st.tuples(st.floats(1e3, 1e8), st.floats(1e-4, 10.0)), min_size=1, max_size=40))
+def test_estimates_stay_usable_whatever_they_see(samples: list[tuple[float, float]]) -> None:
+    book = cost.Book()
+    book.observe_compute(500, 0.05)
+    for i, (nbytes, seconds) in enumerate(samples):
+        book.observe_pull("d:1", "e1", nbytes, seconds, now=float(i))
+        assume(True)
+    choice = book.decide("d:1", request(2048), now=1e6)
+    assert choice.tokens % BS == 0 and 0 <= choice.tokens <= 2048
+    fit = book.link("d:1").estimate.fit
+    assert fit is None or (fit.slope > 0 and fit.intercept >= 0)
+
+
+def test_the_configured_probe_interval_applies_to_every_link() -> None:
+    book = cost.Book.from_config({cost.PROBE_INTERVAL_KEY: 3.0})
+    for tokens in (100, 400, 1600):
+        book.observe_compute(tokens, 0.01 + tokens * 1e-4)
+    book.observe_pull("d:1", "e1", 1e6, 0.01, now=0)
+    book.observe_pull("d:1", "e1", 1e6, 0.002, now=0)
+    book.observe_pull("d:1", "e1", 2e6, 2.0, now=0)  # slow now
+    assert book.decide("d:1", request(4096), now=1).outcome is Outcome.RECOMPUTED
+    assert book.decide("d:1", request(4096), now=3.5).outcome is Outcome.PROBE  # after 3 s, not the default 30 s
