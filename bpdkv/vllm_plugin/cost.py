@@ -22,6 +22,9 @@ The model, per request, after the digest check (bpdkv/vllm_plugin/decide.py) has
   of the probe), so the next request pulls in full and measures the recovered link properly.
 - A pull much slower than predicted (SURPRISE×), a failed read or a lapsed pin replaces the link's window with that
   sample at once: the next decision sees it.
+- D measures the same link every turn when it pulls P's blocks, and says what it measured on its answer
+  (contracts.LINK_ESTIMATE); P takes it as a free probe: while P's estimate says the link is slow, a D estimate
+  SURPRISE× faster makes the next offer probe at once, one that agrees postpones P's own probe by an interval.
 """
 
 from __future__ import annotations
@@ -287,6 +290,12 @@ def probe_tokens(req: Request, link: Fit, spt: float, n: int) -> int:
     return max(k, floor)
 
 
+def choice_bytes(req: Request) -> float:
+    """Bytes of the whole offer (whole blocks)."""
+    bs = req.block_size
+    return _bytes(req.tokens - req.tokens % bs, req) if bs > 0 else 0.0
+
+
 def _bytes(tokens: int, req: Request) -> float:
     return tokens / req.block_size * req.bytes_per_block
 
@@ -349,12 +358,24 @@ class Book:
             found = self.links[key] = Link(estimate, probe_interval=self.probe_interval)
         return found
 
-    def decide(self, key: str, req: Request, now: float) -> Choice:
+    def decide(self, key: str, req: Request, now: float, hint: Fit | None = None) -> Choice:
+        """`hint`: the other end's estimate of this link (D's pulls of P's blocks, contracts.LINK_ESTIMATE). While P's
+        own estimate says pulling does not pay, a hint SURPRISE× faster for this offer makes it a probe at once (the
+        link may have recovered); a hint that agrees postpones P's own probe (the link is being measured anyway)."""
         link = self.link(key)
         if link.next_probe is None:
             link.next_probe = now + link.probe_interval
         probe_due = now >= link.next_probe
-        choice = choose(req, link.estimate.fit, self.compute.fit, self.margin, self.lease_ceiling, probe_due)
+        choice = choose(req, link.estimate.fit, self.compute.fit, self.margin, self.lease_ceiling, False)
+        if hint is not None and choice.reason is Reason.LINK_SLOWER and choice.predicted_pull_s:
+            offered = choice_bytes(req)
+            if hint.at(offered) * SURPRISE < choice.predicted_pull_s:
+                probe_due = True
+            else:
+                probe_due = False
+                link.next_probe = max(link.next_probe, now + link.probe_interval)
+        if choice.reason is Reason.LINK_SLOWER and probe_due:
+            choice = choose(req, link.estimate.fit, self.compute.fit, self.margin, self.lease_ceiling, True)
         if choice.outcome is Outcome.PROBE:
             link.next_probe = now + link.probe_interval
             link.probe_interval = min(link.probe_interval * 2, max(PROBE_INTERVAL_MAX, self.probe_interval))

@@ -193,6 +193,35 @@ def test_token_id_completions_pull_fully(pd: Any, reference: dict[str, Any]) -> 
     assert pulled[1] >= (150 + 24 - 1) // 32 * 32 and pulled[2] > pulled[1]
 
 
+def test_a_local_turn_on_d_is_held_and_pulled_by_the_next_turn(pd: Any, reference: dict[str, Any]) -> None:
+    """Issue 22: a turn sent straight to D (no P, no remote blocks: `bpdkv_local_turn`) continues from D's own prefix
+    cache; D holds its blocks like after a P/D turn (budget, TTL, fence, digests), returns their location, lets the
+    superseded hold go, and the next turn can again go through P, which pulls them. Every turn equals a single server."""
+    p, d = pd
+    prompt = list(TOKEN_PROMPT)
+    new, offer = token_turn(p.url, d.url, prompt, None, 24)
+    assert new == reference["tokens"][0] and offer.get("remote_block_ids")
+    prompt = prompt + new + [11, 12, 13, 14, 15, 16, 17, 18]
+    before = d_hold_metrics(d.url)
+    local = {"bpdkv_local_turn": True, "bpdkv_release_request_ids": [offer["remote_request_id"]]}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    data = httpx.post(d.url + COMPLETIONS, json=dict(body, kv_transfer_params=local), timeout=120).json()
+    assert list(data["choices"][0]["token_ids"]) == reference["tokens"][1]
+    held = data["kv_transfer_params"]
+    after = d_hold_metrics(d.url)
+    MEASURED["local_turn_cached_tokens"] = held.get("bpdkv_local_cached_tokens")
+    assert held["do_remote_decode"] is True and held["remote_block_ids"] and held["bpdkv_block_digests"] and held["bpdkv_fence"]
+    assert held["remote_num_tokens"] == len(prompt) + 24 - 1 and held["remote_request_id"] != offer["remote_request_id"]
+    assert held["bpdkv_local_cached_tokens"] >= len(TOKEN_PROMPT) // 32 * 32  # the history came from D's own cache
+    assert after["not_offered"] == before["not_offered"] + 1  # the superseded hold went at once
+    assert after["held_blocks"] > 0
+    prompt = prompt + list(data["choices"][0]["token_ids"]) + [11, 12, 13, 14, 15, 16, 17, 18]
+    pulled = metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    new, _ = token_turn(p.url, d.url, prompt, held, 24)
+    assert new == reference["tokens"][2]
+    assert metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - pulled >= len(prompt) // 32 * 32 - 32
+
+
 def test_streams_carry_final_params_and_plain_streams_are_unchanged(pd: Any, reference: dict[str, Any]) -> None:
     p, d = pd
     for route, body in (

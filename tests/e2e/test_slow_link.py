@@ -34,10 +34,12 @@ TEMPLATE = contracts.prefill_template()
 START = [(i * 41) % 1900 + 10 for i in range(420)]
 OUTPUT = 12
 SUFFIX = [21, 22, 23, 24, 25, 26, 27, 28]
-TURNS = 9
+TURNS = 10
 THROTTLE = "4mbit"  # 500 kB/s: the ~1 MB history takes ~2 s to pull; P computes it in ~0.5 s
 PROBE_INTERVAL = 8.0  # seconds (the default is 30 s): longer than the throttled turns take, short enough to wait for
 # Phases by turn (1-based): 1-4 unthrottled, throttle before turn 5, removed before turn 8.
+# D measures the same link when it pulls P's blocks and says so on its answer: while it agrees the link is slow P does
+# not probe; the turn after D has seen it fast again (turn 9) P probes, and turn 10 pulls.
 THROTTLED_FROM, THROTTLED_UNTIL = 5, 7
 
 
@@ -200,10 +202,13 @@ def test_pull_only_where_it_pays_and_adapt_to_the_link(pd: tuple[Any, Any], refe
         assert by[n]["outcome"] == contracts.PULL_LINK_SLOWER, rows  # the router learns it
         assert by[n]["d_declined"] == 1, rows  # D let the hold go at once (fence release), not at its TTL
         assert by[n]["p_s"] < by[5]["p_s"] / 2, rows
-    # Unthrottled again: a probe pulls a prefix, finds the link fast, and the next turn pulls everything again.
-    assert by[THROTTLED_UNTIL + 1]["decisions"] == {"probe/probe_due": 1}, rows
-    assert by[THROTTLED_UNTIL + 2]["decisions"] == {"pulled/link_faster": 1}, rows
-    assert by[THROTTLED_UNTIL + 2]["pulled"] > by[THROTTLED_UNTIL + 1]["pulled"] > 0, rows
+    # Unthrottled again: D's last pull of P's blocks was still throttled (turn 8 computed, no probe); D sees the link
+    # fast on turn 8, so turn 9 probes (a prefix), finds it fast, and turn 10 pulls everything again.
+    recovered = THROTTLED_UNTIL + 1
+    assert by[recovered]["decisions"] == {"recomputed/link_slower": 1}, rows
+    assert by[recovered + 1]["decisions"] == {"probe/probe_due": 1}, rows
+    assert by[recovered + 2]["decisions"] == {"pulled/link_faster": 1}, rows
+    assert by[recovered + 2]["pulled"] > by[recovered + 1]["pulled"] > 0, rows
     text = scrape(p.url)
     link = f"{d_host.address}:"
     rate = [line for line in text.splitlines() if line.startswith("vllm:bpdkv_link_bytes_per_second{") and link in line]

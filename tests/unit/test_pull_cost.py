@@ -248,3 +248,19 @@ def test_the_configured_probe_interval_applies_to_every_link() -> None:
     book.observe_pull("d:1", "e1", 2e6, 2.0, now=0)  # slow now
     assert book.decide("d:1", request(4096), now=1).outcome is Outcome.RECOMPUTED
     assert book.decide("d:1", request(4096), now=3.5).outcome is Outcome.PROBE  # after 3 s, not the default 30 s
+
+
+def test_d_s_estimate_of_the_link_is_a_free_probe() -> None:
+    """D measures the same link when it pulls P's blocks: agreeing, it spares P its probes; much faster, P probes now."""
+    book = book_with(rate=1e9)
+    book.observe_pull("d:1", "e1", 2e6, 2.0, now=0)  # slow now
+    slow_hint, fast_hint = Fit(0.001, 1 / 1e6), Fit(0.001, 1 / 1e9)
+    now = 0.0
+    for _ in range(200):  # 200 s of offers, D agreeing every time: never a probe
+        now += 1.0
+        assert book.decide("d:1", request(4096), now, slow_hint).outcome is Outcome.RECOMPUTED
+    probe = book.decide("d:1", request(4096), now + 1, fast_hint)  # D moved P's blocks fast: probe at once
+    assert probe.outcome is Outcome.PROBE
+    nbytes = probe.tokens / BS * BPB
+    book.observe_pull("d:1", "e1", nbytes, 0.001 + nbytes / 1e9, now + 1.1)
+    assert book.decide("d:1", request(4096), now + 1.2, fast_hint).outcome is Outcome.PULLED
