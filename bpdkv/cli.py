@@ -432,7 +432,10 @@ def plan(
     Exit code: 0 no changes, 2 changes, 1 error (like terraform plan -detailed-exitcode)."""
     from bpdkv.deploy.fleet import load_fleet, plan_fleet, save_plan
 
-    fleet = load_fleet(topology)
+    fleet = load_fleet(topology, offline=offline)
+    if offline:
+        for w in fleet.validated.warnings:  # node groups: one placeholder machine each, EC2 not asked
+            _yellow(w.format())
     try:
         result = plan_fleet(fleet, offline, parallel, _connect(accept_new_host_keys, command_timeout), limit)
     finally:

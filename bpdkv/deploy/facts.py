@@ -21,6 +21,7 @@ MARKER = "==bpdkv-fact=="
 MANIFEST_PATH = "/etc/bpdkv/manifest.json"
 DIRTY_PATH = "/etc/bpdkv/dirty"  # written when a host could not be restored; its presence is a change in every plan
 LOCK_PATH = "/var/lib/bpdkv/apply.lock"
+BACKUP_DIR = "/var/lib/bpdkv/backup"  # one folder per generation: the files a commit replaced, kept for its restore
 NODE_WHEELHOUSE = "/opt/bpdkv/wheelhouse"  # where apply pushes the wheelhouse on each node
 
 
@@ -54,6 +55,7 @@ class DiskSpace:
     path: str
     free_bytes: int
     read_only: bool
+    mount: str = ""  # mount point of the folder's file system (folders on one file system share its free space)
 
 
 class DiskFree(Fact[list[DiskSpace]]):
@@ -82,7 +84,7 @@ class DiskFree(Fact[list[DiskSpace]]):
                 continue
             fields = line.split()
             if current and len(fields) >= 6 and fields[3].isdigit():
-                out.append(DiskSpace(current[0], int(fields[3]) * 1024, current[1]))
+                out.append(DiskSpace(current[0], int(fields[3]) * 1024, current[1], " ".join(fields[5:])))
                 current = None
         return out
 
@@ -188,7 +190,12 @@ for path in sorted(paths):
             group = grp.getgrgid(st.st_gid).gr_name
         except KeyError:
             group = str(st.st_gid)
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = str(st.st_uid)
         out["files"][path] = {"sha256": hashlib.sha256(data).hexdigest(), "mode": st.st_mode & 0o7777, "group": group,
+                              "owner": owner, "size": len(data),
                               "content": base64.b64encode(data).decode() if len(data) < 262144 else None}
 out["user_groups"] = {}  # service users that read secret files -> their primary group (None: no such user)
 for user in req.get("readers", []):

@@ -19,6 +19,7 @@ from bpdkv.deploy.bootstrap import CREATED_MARKER, Wheelhouse, build_bpdkv_wheel
 from bpdkv.deploy.connectors import Connector, ConnectorError, probe
 from bpdkv.deploy.connectors.ssh import SshConnector, SshOptions
 from bpdkv.deploy.facts import (
+    BACKUP_DIR,
     DIRTY_PATH,
     LOCK_PATH,
     MANIFEST_PATH,
@@ -34,19 +35,37 @@ from bpdkv.deploy.facts import (
     split_batch,
 )
 from bpdkv.deploy.inventory import Inventory, load_with_inventory, membership_change
-from bpdkv.deploy.planner import FileChange, HostPlan, Plan, UnitAction, empty_facts, facts_digest, facts_parts, make_plan
+from bpdkv.deploy.planner import (
+    FileChange,
+    HostPlan,
+    Plan,
+    UnitAction,
+    empty_facts,
+    fact_differences,
+    facts_detail,
+    facts_digest,
+    facts_parts,
+    make_plan,
+)
 from bpdkv.deploy.runner import ApplyOptions, HostOutcome, HostStatus, PackageSource, Progress, Report, Runner, for_each_host
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact, render_topology, system_packages
 from bpdkv.secrets import Resolver, health_probe, resolve_topology
-from bpdkv.topology.loader import ValidatedTopology
+from bpdkv.topology.loader import ValidatedTopology, load_topology
 from bpdkv.topology.model import Node, Topology
 
 ConnectorFactory = Callable[[Node], Connector]
 
 
 class StalePlan(BpdkvError):
-    pass
+    """A saved plan that no longer matches its hosts: one line per difference, then what to do."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("saved plan refused: " + "; ".join(problems) + "; plan again")
+        self.problems = problems
+
+    def lines(self) -> list[str]:
+        return [f"saved plan refused: {p}" for p in self.problems] + ["plan again: bpdkv plan TOPOLOGY --out PLAN.json"]
 
 
 @dataclass
@@ -70,9 +89,14 @@ class Fleet:
         self.conns.clear()
 
 
-def load_fleet(path: str, resolve_secrets: bool = True) -> Fleet:
-    """Secret references are resolved here (plan, apply, status compare the files' contents); destroy needs paths only."""
-    validated, inventory = load_with_inventory(path)
+def load_fleet(path: str, resolve_secrets: bool = True, offline: bool = False) -> Fleet:
+    """Secret references are resolved here (plan, apply, status compare the files' contents); destroy needs paths only.
+    `offline` (plan --offline): EC2 is not asked; each node group is one placeholder machine, as validate checks it,
+    and the fleet's warnings say so."""
+    if offline:
+        validated, inventory = load_topology(Path(path), path), None
+    else:
+        validated, inventory = load_with_inventory(path)
     if resolve_secrets:
         resolved = resolve_topology(validated.topology, Resolver(base_dir=Path(path).resolve().parent))
         validated = ValidatedTopology(resolved, validated.warnings, validated.file)
@@ -93,7 +117,8 @@ def lock_owner() -> str:
 
 def _host_facts(topology: Topology, node: Node, artifacts: list[Artifact]) -> list[Fact[Any]]:
     mine = [a for a in artifacts if a.host == node.name]
-    folders = sorted({a.path.rsplit("/", 1)[0] or "/" for a in mine} | {"/var/lib/bpdkv", "/etc/bpdkv"})
+    # Every folder a commit writes: the files' own (staged copies), the backup folder, the manifest's.
+    folders = sorted({a.path.rsplit("/", 1)[0] or "/" for a in mine} | {"/var/lib/bpdkv", BACKUP_DIR, MANIFEST_PATH.rsplit("/", 1)[0]})
     return [
         DeployState(
             [a.path for a in mine], [a.unit for a in mine if a.unit], topology.vllm.venv, sorted({a.reader for a in mine if a.reader})
@@ -176,6 +201,7 @@ def save_plan(plan: Plan, fleet: Fleet, path: Path) -> None:
     data = plan.to_json()
     data["topology_file"] = str(Path(fleet.validated.file).resolve())
     data["facts_parts"] = {h: facts_parts(f) for h, f in fleet.facts.items() if f.reachable}
+    data["facts_detail"] = {h: facts_detail(f) for h, f in fleet.facts.items() if f.reachable}  # names each difference
     if fleet.inventory is not None:
         data["inventory"] = fleet.inventory.to_json()  # apply refuses if the groups select other instances by then
     for host in data["hosts"]:
@@ -192,13 +218,14 @@ class SavedPlan:
     topology_file: str
     facts_parts: dict[str, dict[str, str]]
     membership: dict[str, list[str]] | None = None  # EC2 group → instance ids when the plan was made
+    facts_detail: dict[str, dict[str, Any]] = field(default_factory=dict)  # per host: files, units, packages (no content)
 
 
 def load_saved_plan(path: Path) -> SavedPlan:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         membership = data["inventory"]["groups"] if "inventory" in data else None
-        return SavedPlan(Plan.from_json(data), data["topology_file"], data.get("facts_parts", {}), membership)
+        return SavedPlan(Plan.from_json(data), data["topology_file"], data.get("facts_parts", {}), membership, data.get("facts_detail", {}))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BpdkvError(f"{path}: not a saved bpdkv plan ({type(exc).__name__}: {exc})") from None
 
@@ -225,12 +252,15 @@ def check_saved_plan(saved: SavedPlan, fresh: Plan, fleet: Fleet) -> None:
         elif not now.reachable and not now.skipped:
             problems.append(f"{h.host}: {now.error}")
         elif now.facts_digest != h.facts_digest and not h.skipped:
-            before = saved.facts_parts.get(h.host, {})
-            after = facts_parts(fleet.facts[h.host])
-            what = [k for k in after if before.get(k) != after[k]] or ["facts"]
-            problems.append(f"{h.host}: {', '.join(what)} changed since the plan was saved (drift or another apply)")
+            differences = fact_differences(h.host, saved.facts_detail[h.host], fleet.facts[h.host]) if h.host in saved.facts_detail else []
+            if not differences:  # a plan saved before facts_detail existed: the kinds of facts that changed
+                before = saved.facts_parts.get(h.host, {})
+                after = facts_parts(fleet.facts[h.host])
+                what = [k for k in after if before.get(k) != after[k]] or ["facts"]
+                differences = [f"{h.host}: {', '.join(what)} changed"]
+            problems += [f"{line} (since the plan was saved: drift or another apply)" for line in differences]
     if problems:
-        raise StalePlan("saved plan refused: " + "; ".join(problems) + "; plan again")
+        raise StalePlan(problems)
 
 
 # ---- apply -----------------------------------------------------------------------------------------------------------

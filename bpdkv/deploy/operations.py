@@ -71,7 +71,7 @@ class DaemonReload:
     undo = Undo.NONE
 
     def command(self) -> str:
-        return "systemctl daemon-reload >/dev/null 2>&1"
+        return "systemctl daemon-reload >/dev/null"  # its exit status fails the host; stderr says why
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class StartUnit:
 
     def command(self) -> str:
         verb = "restart" if self.restart else "start"
-        return f"systemctl enable {shlex.quote(self.unit)} >/dev/null 2>&1; systemctl {verb} {shlex.quote(self.unit)}"
+        return f"systemctl enable {shlex.quote(self.unit)} >/dev/null && systemctl {verb} {shlex.quote(self.unit)}"
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,12 @@ _BY_NAME[RunCommand.op] = RunCommand
 
 
 def stop_and_disable(unit: str) -> str:
-    return f"systemctl stop {shlex.quote(unit)}; systemctl disable {shlex.quote(unit)} >/dev/null 2>&1; true"
+    """Non-zero only when the unit is still active afterwards (a unit already gone or stopped is what was wanted)."""
+    u = shlex.quote(unit)
+    return (
+        f"systemctl stop {u}; s=$?; systemctl disable {u} >/dev/null 2>&1; "
+        f'if [ $s != 0 ] && [ "$(systemctl is-active {u} 2>/dev/null)" = active ]; then exit $s; fi; true'
+    )
 
 
 def to_json(op: Operation) -> dict[str, Any]:

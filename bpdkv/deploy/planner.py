@@ -12,7 +12,7 @@ from typing import Any
 from bpdkv import __version__
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import PackageChange, package_changes, source_digest
-from bpdkv.deploy.facts import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts, PreflightProblem
+from bpdkv.deploy.facts import BACKUP_DIR, MANIFEST_PATH, NODE_WHEELHOUSE, DiskSpace, HostFacts, PreflightProblem
 from bpdkv.render import Artifact
 from bpdkv.secrets import secret_diff
 from bpdkv.topology.model import Node, Topology
@@ -191,7 +191,84 @@ def facts_parts(facts: HostFacts) -> dict[str, str]:
         "system packages": facts.debian,
         "service users": facts.user_groups,
     }
+    owners = {p: i.get("owner") for p, i in sorted(facts.files.items()) if i is not None and i.get("owner") is not None}
+    if owners:
+        parts["file owners"] = owners
     return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16] for k, v in parts.items()}
+
+
+def facts_detail(facts: HostFacts) -> dict[str, Any]:
+    """What a saved plan keeps of one host's facts (no file content), so a refusal names each difference."""
+    manifest = facts.manifest if isinstance(facts.manifest, dict) else None
+    return {
+        "files": {
+            p: (None if i is None else {k: i.get(k) for k in ("sha256", "mode", "owner", "group")}) for p, i in sorted(facts.files.items())
+        },
+        "units": dict(facts.units),
+        "versions": dict(facts.versions),
+        "bpdkv_source": facts.bpdkv_source,
+        "system packages": dict(facts.debian),
+        "service users": dict(facts.user_groups),
+        "lock": None if facts.lock is None else str(facts.lock.get("owner")),
+        "dirty": facts.dirty,
+        "manifest": None
+        if facts.manifest is None
+        else hashlib.sha256(json.dumps(facts.manifest, sort_keys=True).encode()).hexdigest()[:12],
+        "generation": None if manifest is None else manifest.get("generation"),
+    }
+
+
+def fact_differences(host: str, before: dict[str, Any], facts: HostFacts) -> list[str]:
+    """One line per difference between a saved plan's facts and the host's now: host, file or unit, what differs."""
+    now = facts_detail(facts)
+    out: list[str] = []
+    old_files, new_files = before.get("files", {}), now["files"]
+    for path in sorted(set(old_files) | set(new_files)):
+        a, b = old_files.get(path), new_files.get(path)
+        if a == b:
+            continue
+        if a is None:
+            out.append(f"{host}: {path}: appeared (sha256 {str(b['sha256'])[:12]})")
+            continue
+        if b is None:
+            out.append(f"{host}: {path}: removed")
+            continue
+        if a.get("sha256") != b.get("sha256"):
+            out.append(f"{host}: {path}: content sha256 {str(a.get('sha256'))[:12]} → {str(b.get('sha256'))[:12]}")
+        if a.get("mode") != b.get("mode"):
+            out.append(f"{host}: {path}: mode {_mode(a.get('mode'))} → {_mode(b.get('mode'))}")
+        for key in ("owner", "group"):
+            if a.get(key) != b.get(key):
+                out.append(f"{host}: {path}: {key} {a.get(key)} → {b.get(key)}")
+    for unit in sorted(set(before.get("units", {})) | set(now["units"])):
+        a, b = before.get("units", {}).get(unit), now["units"].get(unit)
+        if a != b:
+            out.append(f"{host}: unit {unit}: {a or 'unknown'} → {b or 'unknown'}")
+    for name in sorted(set(before.get("versions", {})) | set(now["versions"])):
+        a, b = before.get("versions", {}).get(name), now["versions"].get(name)
+        if a != b:
+            out.append(f"{host}: package {name}: {a or 'not installed'} → {b or 'not installed'}")
+    if before.get("bpdkv_source") != now["bpdkv_source"]:
+        out.append(f"{host}: bpdkv installed on the node: source {before.get('bpdkv_source')} → {now['bpdkv_source']}")
+    for name in sorted(set(before.get("system packages", {})) | set(now["system packages"])):
+        a, b = before.get("system packages", {}).get(name), now["system packages"].get(name)
+        if a != b:
+            out.append(f"{host}: Debian package {name}: {'installed' if a else 'missing'} → {'installed' if b else 'missing'}")
+    for user in sorted(set(before.get("service users", {})) | set(now["service users"])):
+        a, b = before.get("service users", {}).get(user), now["service users"].get(user)
+        if a != b:
+            out.append(f"{host}: service user {user}: group {a or 'no such user'} → {b or 'no such user'}")
+    if before.get("lock") != now["lock"]:
+        out.append(f"{host}: apply lock: {before.get('lock') or 'free'} → {now['lock'] or 'free'}")
+    if before.get("dirty") != now["dirty"]:
+        out.append(f"{host}: dirty marker: {before.get('dirty') or 'none'} → {now['dirty'] or 'none'}")
+    if before.get("manifest") != now["manifest"]:
+        out.append(f"{host}: manifest: generation {before.get('generation')} → {now['generation']} (another apply?)")
+    return out
+
+
+def _mode(value: Any) -> str:
+    return f"{value:o}" if isinstance(value, int) else str(value)
 
 
 def facts_digest(facts: HostFacts) -> str:
@@ -501,15 +578,7 @@ def preflight_problems(
                 f"topology {lock.get('topology')}); wait for it or pass --force-unlock if it died",
             )
         )
-    writes = [f for f in plan.files if f.action in ("create", "update")]
-    need = sum(len(a.content.encode()) for a in artifacts if a.path in {f.path for f in writes}) * 2 + DISK_MARGIN
-    for space in facts.disk:
-        if space.read_only and writes:
-            problems.append(PreflightProblem(node.name, "disk", f"{space.path} is on a read-only file system; remount it read-write"))
-        elif writes and space.free_bytes < need:
-            problems.append(
-                PreflightProblem(node.name, "disk", f"{space.path}: {space.free_bytes} bytes free, need at least {need}; free space first")
-            )
+    problems += disk_problems(node, facts, artifacts, plan)
     for user in sorted({a.reader for a in artifacts if a.reader}):
         if user in facts.user_groups and facts.user_groups[user] is None:
             problems.append(
@@ -531,6 +600,67 @@ def preflight_problems(
                 )
             )
     return problems
+
+
+def disk_problems(node: Node, facts: HostFacts, artifacts: list[Artifact], plan: HostPlan) -> list[PreflightProblem]:
+    """Every folder the commit writes, measured against what it will write there, per file system (folders on one file
+    system share its free space): the staged copies beside their targets, the backups of the files replaced or deleted
+    (BACKUP_DIR), the manifest and its staged copy, the dirty marker, plus DISK_MARGIN. A read-only one is refused too.
+    Refused here, before any write on any host: the commit never starts on a disk it cannot finish on."""
+    changing = [f for f in plan.files if f.action != "none"]
+    if not changing:
+        return []
+    spaces = {d.path: d for d in facts.disk}
+    sizes = {a.path: len(a.content.encode()) for a in artifacts}
+
+    def space_of(path: str) -> DiskSpace | None:
+        folder = path.rsplit("/", 1)[0] or "/"
+        return spaces.get(folder)
+
+    need: dict[str, int] = {}  # mount point -> bytes
+    parts: dict[str, dict[str, int]] = {}
+    where: dict[str, DiskSpace] = {}
+
+    def add(space: DiskSpace | None, kind: str, size: int) -> None:
+        if space is None:
+            return
+        key = space.mount or space.path
+        where.setdefault(key, space)
+        need[key] = need.get(key, 0) + size
+        parts.setdefault(key, {})[kind] = parts.get(key, {}).get(kind, 0) + size
+
+    backup = spaces.get(BACKUP_DIR)
+    for f in changing:
+        info = facts.files.get(f.path)
+        old = int(info.get("size") or 0) if isinstance(info, dict) else 0
+        if f.action in ("create", "update"):
+            add(space_of(f.path), "staged files", sizes.get(f.path, 0))
+        if f.action in ("update", "delete") and info is not None:
+            add(backup, "backups", old)
+            add(space_of(f.path), "restore copies", old)  # a restore copies the backup beside the file, then renames
+    # The manifest (its staged copy, then renamed) and the dirty marker: a path and a digest per file, and a little more.
+    add(space_of(MANIFEST_PATH), "manifest", 2 * (4096 + sum(len(a.path) + 96 for a in artifacts)))
+    out: list[PreflightProblem] = []
+    said: set[str] = set()
+    for space in facts.disk:
+        if space.read_only and space.path not in said:
+            said.add(space.path)
+            out.append(PreflightProblem(node.name, "disk", f"{space.path} is on a read-only file system; remount it read-write"))
+    for key, total in sorted(need.items()):
+        space = where[key]
+        want = total + DISK_MARGIN
+        if space.free_bytes < want:
+            folders = sorted(d.path for d in facts.disk if (d.mount or d.path) == key)
+            what = ", ".join(f"{kind} {size}" for kind, size in sorted(parts[key].items()))
+            out.append(
+                PreflightProblem(
+                    node.name,
+                    "disk",
+                    f"{', '.join(folders)}: {space.free_bytes} bytes free, need at least {want} ({what}, margin {DISK_MARGIN}); "
+                    "free space first",
+                )
+            )
+    return out
 
 
 def _kind(path: str) -> str:

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 from bpdkv.deploy import efa
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import SOURCE_MARKER, check_installed, install_command, source_digest
-from bpdkv.deploy.connectors import Connector, ConnectorError, plain_errno, probe, run_checked
-from bpdkv.deploy.facts import DIRTY_PATH, LOCK_PATH, MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
+from bpdkv.deploy.connectors import Connector, ConnectorError, plain_errno, probe, run_checked, run_step
+from bpdkv.deploy.facts import BACKUP_DIR, DIRTY_PATH, LOCK_PATH, MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
 from bpdkv.deploy.planner import HostPlan, Plan, manifest_for
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact
@@ -33,7 +33,6 @@ from bpdkv.topology.model import Topology
 
 log = logging.getLogger("bpdkv.deploy")
 
-BACKUP_DIR = "/var/lib/bpdkv/backup"
 STATE_DIR = "/var/lib/bpdkv"
 TMP_SUFFIX = ".bpdkv-new"
 KEEP_BACKUPS = 3
@@ -235,9 +234,13 @@ class Runner:
 
         def one(host: str) -> None:
             try:
-                self.conns[host].run(f"grep -qF {owner} {LOCK_PATH} 2>/dev/null && rm -f {LOCK_PATH}; true")
+                # Only our own lock; a missing one (removed by --force-unlock elsewhere) is fine, a failed rm is not.
+                run_step(self.conns[host], f"if grep -qF {owner} {LOCK_PATH} 2>/dev/null; then rm -f {LOCK_PATH}; fi", "lock release")
             except ConnectorError as exc:
                 self.progress(host, f"could not release the lock ({exc.reason}); `apply --force-unlock` removes it")
+                self.report.problems.append(
+                    f"{host}: the lock {LOCK_PATH} could not be released ({exc.reason}); `apply --force-unlock` removes it"
+                )
 
         for_each_host(sorted(self.locked), one, self.options.parallel)
         self.locked.clear()
@@ -294,7 +297,7 @@ class Runner:
     def stop_removed(self, hp: HostPlan) -> None:
         for op in hp.operations:
             if isinstance(op, ops.StopUnit):
-                self.conns[hp.host].run(op.command())
+                run_step(self.conns[hp.host], op.command(), f"systemctl stop {op.unit}")
                 self.progress(hp.host, f"stopped {op.unit}")
 
     def stage(self, hp: HostPlan) -> None:
@@ -326,9 +329,10 @@ class Runner:
         temps.append(shlex.quote(MANIFEST_PATH + TMP_SUFFIX))
         if temps:
             try:
-                self.conns[hp.host].run("rm -f " + " ".join(temps))
+                run_step(self.conns[hp.host], "rm -f " + " ".join(temps), "removing the staged files")
             except ConnectorError as exc:
                 self.progress(hp.host, f"could not remove temp files ({exc.reason})")
+                self.report.problems.append(f"{hp.host}: staged files (*{TMP_SUFFIX}) may be left behind: {exc.reason}")
 
     def commit(self, hp: HostPlan) -> None:
         """Back up every file about to change, then rename the staged files into place, in one shell script that puts the
@@ -347,8 +351,9 @@ class Runner:
                     out = self.outcome(hp.host)
                     out.status, out.message = (
                         HostStatus.DIRTY,
-                        f"commit failed and the previous files could not be restored: {plain_errno(detail)}",
+                        f"commit failed and the previous files could not be restored: {plain_errno(detail)}; the next plan shows the repair",
                     )
+                    self.progress(hp.host, f"dirty: {out.message}")
                     return
                 if result.exited != 1:
                     # Killed or cut off mid-script (no exit status, a signal): some files may be renamed, none restored.
@@ -360,7 +365,8 @@ class Runner:
             for change in changes:
                 self.progress(hp.host, f"{'-' if isinstance(change, ops.DeleteFile) else '+'} {change.path}")
         if any(isinstance(op, ops.DaemonReload) for op in hp.operations):
-            conn.run(ops.DaemonReload().command())
+            # Still committed: a failed reload fails the host here, before any unit restarts, and fail() restores it.
+            run_step(conn, ops.DaemonReload().command(), "systemctl daemon-reload")
 
     def finish(self, hp: HostPlan) -> None:
         """Last: clean-up commands (destroy) and the manifest, which records what the host now runs."""
@@ -493,10 +499,15 @@ class Runner:
                     result = conn.run(restore_script(self.backup))
                     if result.exited != 0:
                         raise ConnectorError(hp.host, f"restore failed: {(result.stderr or result.stdout).strip()[-200:]}")
-                    conn.run("systemctl daemon-reload >/dev/null 2>&1")
                     self.committed.discard(hp.host)
+                    run_step(conn, ops.DaemonReload().command(), "systemctl daemon-reload")
                 for started in self.started.pop(hp.host, []):
-                    conn.run(ops.stop_and_disable(started.unit) if started.new else f"systemctl restart {shlex.quote(started.unit)}")
+                    if started.new:
+                        run_step(conn, ops.stop_and_disable(started.unit), f"systemctl stop {started.unit}")
+                    else:
+                        run_step(
+                            conn, f"systemctl restart {shlex.quote(started.unit)}", f"systemctl restart {started.unit} (previous files)"
+                        )
                 for undrain in hp.operations:
                     if isinstance(undrain, ops.Undrain):
                         try:
@@ -505,8 +516,10 @@ class Runner:
                             pass  # the instance may never have been drained; the failure itself is already reported
             except Exception as exc:  # noqa: BLE001 - whatever stopped the restore, the host must be recorded dirty
                 out.status = HostStatus.DIRTY
-                out.message = f"{why}; rollback failed ({type(exc).__name__}: {exc}); the next plan shows the repair"
+                said = exc.reason if isinstance(exc, ConnectorError) else f"{type(exc).__name__}: {exc}"
+                out.message = f"{why}; rollback failed ({said}); the next plan shows the repair"
                 self.mark_dirty(hp, out.message)
+                self.progress(hp.host, f"dirty: {out.message}")
                 continue
             if out.status is not HostStatus.DIRTY:
                 out.status = HostStatus.ROLLED_BACK
@@ -515,9 +528,12 @@ class Runner:
 
     def mark_dirty(self, hp: HostPlan, message: str) -> None:
         try:
-            self.conns[hp.host].run(f"mkdir -p /etc/bpdkv && printf '%s\\n' {shlex.quote(message[:300])} > {DIRTY_PATH}")
-        except Exception:  # noqa: BLE001 - the host is down; its manifest still disagrees with its files, which plan sees
-            pass
+            run_step(
+                self.conns[hp.host], f"mkdir -p /etc/bpdkv && printf '%s\\n' {shlex.quote(message[:300])} > {DIRTY_PATH}", "dirty marker"
+            )
+        except Exception as exc:  # noqa: BLE001 - the host is down; its manifest still disagrees with its files, which plan sees
+            said = exc.reason if isinstance(exc, ConnectorError) else str(exc)
+            self.progress(hp.host, f"could not write the dirty marker {DIRTY_PATH} ({said})")
 
     # ---- the whole run ---------------------------------------------------------------------------------------------
     def run(self) -> Report:
@@ -647,25 +663,45 @@ def _unit(step: list[ops.Operation]) -> str:
     return next(op.unit for op in step if isinstance(op, ops.StartUnit))
 
 
+PART = ".bpdkv-part"  # a backup copy being written; only a verified copy is renamed to its final name
+
+
 def commit_script(backup: str, changes: Sequence[ops.UploadFile | ops.DeleteFile]) -> str:
-    """Shell: back up, rename staged files into place; on any failure restore everything (exit 1), and if the restore
-    fails too, write the dirty marker (exit 2). Paths are quoted; one round trip."""
+    """Shell: back up, verify the staged files, rename them into place; on any failure restore everything (exit 1), and
+    if the restore fails too, write the dirty marker (exit 2). One round trip; paths are quoted.
+
+    No live file is replaced before every backup is complete: each is copied beside its final name, fsynced, compared
+    with the live file, then renamed; a file that did not exist is recorded in .created first. Each staged file is
+    fsynced and its sha256 checked against the plan before any rename. Renames are atomic, so whatever stops the script
+    (a full disk, an I/O error, a killed session), each live file is the previous one or the new one, never a part."""
     b = shlex.quote(backup)
+    temps = " ".join(shlex.quote(c.path + TMP_SUFFIX) for c in changes if isinstance(c, ops.UploadFile))
     lines = [
         "set -u",
         f"B={b}",
-        f'rm -rf "$B" && mkdir -p "$B" || {{ echo "cannot make backup folder {backup}" >&2; exit 1; }}',
         restore_function(),
-        'fail() { echo "$1" >&2; if restore; then rm -f '
-        + " ".join(shlex.quote(c.path + TMP_SUFFIX) for c in changes if isinstance(c, ops.UploadFile))
-        + "; exit 1; "
+        'fail() { echo "$1" >&2; if restore; then rm -f ' + temps + "; exit 1; "
         f'else mkdir -p /etc/bpdkv; echo "commit failed and restore failed: $1" > {DIRTY_PATH}; exit 2; fi; }}',
+        f'err=$( {{ rm -rf "$B" && mkdir -p "$B"; }} 2>&1) || fail "cannot make backup folder {backup}: $err"',
     ]
     for c in changes:
         q = shlex.quote(c.path)
+        kept, part = f'"$B"{q}', f'"$B"{shlex.quote(c.path + PART)}'
+        parent = shlex.quote(c.path.rsplit("/", 1)[0] or "/")
         lines.append(
-            f'if [ -e {q} ]; then mkdir -p "$B"{shlex.quote(c.path.rsplit("/", 1)[0] or "/")} && cp -p {q} "$B"{q} '
-            f'|| fail "backup of {c.path}: $(cp -p {q} "$B"{q} 2>&1)"; else echo {q} >> "$B/.created"; fi'
+            f"if [ -e {q} ]; then "
+            f'err=$( {{ mkdir -p "$B"{parent} && cp -p {q} {part} && sync {part} && cmp -s {q} {part} && mv -f {part} {kept}; }} 2>&1) '
+            f'|| {{ rm -f {part}; fail "backup of {c.path}: ${{err:-the copy does not match the file}}"; }}; '
+            f'else err=$( {{ printf \'%s\\n\' {q} >> "$B/.created" && grep -qxF {q} "$B/.created"; }} 2>&1) '
+            f'|| fail "backup of {c.path}: cannot record it as new in {backup}: ${{err:-not written}}"; fi'
+        )
+    uploads = [c for c in changes if isinstance(c, ops.UploadFile)]
+    for c in uploads:
+        tmp = shlex.quote(c.path + TMP_SUFFIX)
+        lines.append(
+            f'err=$(sync {tmp} 2>&1) || fail "{c.path}: staged copy: $err"; '
+            f'[ "$(sha256sum < {tmp} | cut -c1-64)" = {c.sha256} ] '
+            f'|| fail "{c.path}: the staged copy is not the planned file (sha256 differs: a full disk or an I/O error while uploading?)"'
         )
     for c in changes:
         q = shlex.quote(c.path)
@@ -680,19 +716,23 @@ def commit_script(backup: str, changes: Sequence[ops.UploadFile | ops.DeleteFile
             lines.append(f'err=$( {{ chmod {c.mode:o} {tmp} && mv -f {tmp} {q}; }} 2>&1) || fail "{c.path}: $err"')
         else:
             lines.append(f'err=$(rm -f {q} 2>&1) || fail "{c.path}: $err"')
-    lines.append('touch "$B/.complete"')
+    parents = " ".join(sorted({shlex.quote(c.path.rsplit("/", 1)[0] or "/") for c in changes}))
+    lines.append(f'err=$(sync {parents} 2>&1) || fail "fsync of {parents}: $err"')  # the renames themselves on disk
+    lines.append(f'err=$(touch "$B/.complete" 2>&1) || fail "backup folder {backup}: $err"')
     return "\n".join(lines)
 
 
 def restore_function() -> str:
-    """`restore`: every backed-up file back by copy + rename (never half-written), every created file removed. A file
-    still equal to its backup (content, mode, owner) is left alone: never renamed, so an immutable one does not stop the
-    restore, and the restore can run again after a cut-off commit."""
+    """`restore`: every complete backup back by copy + fsync + compare + rename (never half-written), every created file
+    removed; a partial backup copy (*.bpdkv-part) is never used: its live file was not touched yet. A file still equal
+    to its backup (content, mode, owner) is left alone: never renamed, so an immutable one does not stop the restore,
+    and the restore can run again after a cut-off commit. Returns non-zero when any file could not be put back."""
     return (
         'restore() { ok=0; [ -d "$B" ] || return 0; cd "$B" || return 1; '
-        "for f in $(find . -type f ! -name .created ! -name .complete); do p=${f#.}; "
-        'if cmp -s "$f" "$p" && [ "$(stat -c %a:%u:%g "$f")" = "$(stat -c %a:%u:%g "$p")" ]; then continue; fi; '
-        'cp -p "$f" "$p.bpdkv-old" && mv -f "$p.bpdkv-old" "$p" || { rm -f "$p.bpdkv-old"; ok=1; }; done; '
+        f"for f in $(find . -type f ! -name .created ! -name .complete ! -name '*{PART}'); do p=${{f#.}}; "
+        'if [ -e "$p" ] && cmp -s "$f" "$p" && [ "$(stat -c %a:%u:%g "$f")" = "$(stat -c %a:%u:%g "$p")" ]; then continue; fi; '
+        '{ cp -p "$f" "$p.bpdkv-old" && sync "$p.bpdkv-old" && cmp -s "$f" "$p.bpdkv-old" && mv -f "$p.bpdkv-old" "$p"; } '
+        '|| { rm -f "$p.bpdkv-old"; echo "restore of $p failed" >&2; ok=1; }; done; '
         'if [ -f .created ]; then while read -r p; do rm -f "$p" || ok=1; done < .created; fi; cd /; return $ok; }'
     )
 

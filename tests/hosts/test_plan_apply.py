@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import urllib.request
 from pathlib import Path
@@ -87,9 +88,27 @@ def test_saved_plan_refused_after_drift(hosts, tmp_path: Path) -> None:  # type:
     write_topology(topo, doc)
     saved = tmp_path / "plan.json"
     assert bpdkv("plan", str(topo), "--out", str(saved)).returncode == 2
-    (hosts.hosts[0].fs / "etc/bpdkv/prefill-0.env").write_text("# tampered\n")
+    # Four kinds of drift on three hosts: each is named (host, file or unit, what differs), one line each.
+    env = hosts.hosts[0].fs / "etc/bpdkv/prefill-0.env"
+    before = hashlib.sha256(env.read_bytes()).hexdigest()[:12]
+    env.write_text("# tampered\n")
+    after = hashlib.sha256(env.read_bytes()).hexdigest()[:12]
+    (hosts.hosts[1].fs / "opt/bpdkv/bin/decode-0.sh").chmod(0o700)
+    assert hosts.exec(hosts.hosts[2], "chown nobody:nogroup /etc/bpdkv/router-0.router.yaml").returncode == 0
+    assert hosts.exec(hosts.hosts[1], "systemctl stop bpdkv-decode-0.service").returncode == 0
     refused = bpdkv("apply", str(saved))
-    assert refused.returncode == 1 and "host1: files changed since the plan was saved" in refused.stderr, refused.stderr
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("saved plan refused: ")]
+    expected = [
+        f"host1: /etc/bpdkv/prefill-0.env: content sha256 {before} → {after}",
+        "host2: /opt/bpdkv/bin/decode-0.sh: mode 755 → 700",
+        "host2: unit bpdkv-decode-0.service: active → inactive",
+        "host3: /etc/bpdkv/router-0.router.yaml: owner root → nobody",
+        "host3: /etc/bpdkv/router-0.router.yaml: group root → nogroup",
+    ]
+    said = [line.removeprefix("saved plan refused: ").split(" (since the plan was saved")[0] for line in lines]
+    assert said == expected, refused.stderr
+    assert version_of("10.213.0.11", 8100) == "v1"  # nothing applied
     assert bpdkv("plan", str(topo), "--out", str(saved)).returncode == 2
     ok = bpdkv("apply", str(saved))
     assert ok.returncode == 0, ok.stdout + ok.stderr

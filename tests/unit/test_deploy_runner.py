@@ -147,7 +147,11 @@ def test_saved_plan_refused_for_another_build_and_changed_facts(tmp_path: Path) 
         check_saved_plan(saved, fresh, fleet)
     message = str(refused.value)
     assert "another bpdkv build (0123456789abcdef" in message
-    assert "host2: unit states changed since the plan was saved" in message
+    lines = refused.value.lines()
+    assert (
+        "saved plan refused: host2: unit bpdkv-decode-0.service: unknown → active (since the plan was saved: drift or another apply)"
+        in lines
+    )
     assert "host1" not in message and "host3" not in message
 
 
@@ -236,7 +240,8 @@ def test_restore_after_a_commit_cut_off_mid_rename_leaves_unchanged_files_alone(
     second.write_text("B=old\n")
     for f, text in ((first, "A=new\n"), (second, "B=new\n")):
         (etc / (f.name + TMP_SUFFIX)).write_text(text)
-    changes = [ops.UploadFile(str(f), 0o644, hashlib.sha256(b"x").hexdigest()) for f in (first, second)]
+    new = {first: b"A=new\n", second: b"B=new\n"}
+    changes = [ops.UploadFile(str(f), 0o644, hashlib.sha256(new[f]).hexdigest()) for f in (first, second)]
     script = commit_script(str(tmp_path / "backup"), changes)
     lines = script.splitlines()
     first_mv = next(i for i, line in enumerate(lines) if "mv -f" in line and TMP_SUFFIX in line)
@@ -267,3 +272,31 @@ def test_saved_plan_depends_on_file_groups_service_users_and_packages() -> None:
         assert facts_digest(changed) != facts_digest(base)
         assert [k for k, v in facts_parts(changed).items() if facts_parts(base)[k] != v] == [what]
     assert facts_digest(replace(base)) == facts_digest(base)
+
+
+def test_a_refused_saved_plan_names_each_difference() -> None:
+    """Host, file or unit, and what differs: content digest, mode, owner, group, unit state, package version."""
+    from bpdkv.deploy.facts import HostFacts
+    from bpdkv.deploy.planner import fact_differences, facts_detail
+
+    def facts(sha: str, mode: int, owner: str, state: str, vllm: str, redis: bool) -> HostFacts:
+        info = {"sha256": sha * 64, "mode": mode, "owner": owner, "group": "root", "content": None}
+        return HostFacts(
+            "host1",
+            True,
+            files={"/etc/bpdkv/a.env": info},
+            units={"u.service": state},
+            versions={"vllm": vllm},
+            debian={"redis-server": redis},
+        )
+
+    before = facts_detail(facts("a", 0o644, "root", "active", "0.1", True))
+    assert fact_differences("host1", before, facts("a", 0o644, "root", "active", "0.1", True)) == []
+    assert fact_differences("host1", before, facts("b", 0o600, "nobody", "failed", "0.2", False)) == [
+        f"host1: /etc/bpdkv/a.env: content sha256 {'a' * 12} → {'b' * 12}",
+        "host1: /etc/bpdkv/a.env: mode 644 → 600",
+        "host1: /etc/bpdkv/a.env: owner root → nobody",
+        "host1: unit u.service: active → failed",
+        "host1: package vllm: 0.1 → 0.2",
+        "host1: Debian package redis-server: installed → missing",
+    ]

@@ -97,6 +97,16 @@ def run_checked(conn: Connector, command: str, timeout: float | None = None) -> 
     return result
 
 
+def run_step(conn: Connector, command: str, step: str, timeout: float | None = None) -> CommandResult:
+    """run_checked with the step named in words ("systemctl daemon-reload"): the host fails on a non-zero exit."""
+    result = conn.run(command, timeout)
+    if result.exited != 0:
+        said = [line for line in (result.stderr + "\n" + result.stdout).splitlines() if line.strip()]
+        detail = said[-1].strip() if said else "no output"
+        raise ConnectorError(conn.host, f"{step} exited {result.exited}: {plain_errno(detail)[-300:]}")
+    return result
+
+
 def probe(
     conn: Connector,
     base: str,
