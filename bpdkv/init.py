@@ -57,6 +57,20 @@ def _auto_tp(req: InitRequest, model: dict, hw: dict) -> int:
     return tp
 
 
+def _no_rdma_read_lines(hardware: str) -> list[str]:
+    """Hardware whose EFA cannot serve NIXL's READs (validate refuses LIBFABRIC there): say so, and scaffold UCX knowingly."""
+    from bpdkv.topology.checks import PRESETS_WITHOUT_RDMA_READ
+
+    if hardware not in PRESETS_WITHOUT_RDMA_READ:
+        return []
+    return [
+        f"  # {hardware}: its EFA has no hardware RDMA READ, which NIXL's LIBFABRIC backend pulls KV with (validate refuses it);",
+        "  # KV moves over UCX on TCP here, slower than EFA. Use p5/p5e/p5en for EFA KV transfer.",
+        "  backend: UCX",
+        "  allow_ucx_on_efa: true",
+    ]
+
+
 def scaffold_topology(req: InitRequest) -> str:
     """A topology the user can edit: P on node-p*, D on node-d*, router beside the first decode node."""
     model = _check_preset("models", req.model)
@@ -100,6 +114,7 @@ def scaffold_topology(req: InitRequest) -> str:
         "  bidirectional: true             # D keeps its KV after a turn; P pulls it on the next turn",
         f"  # decoder_kv_blocks_ttl: {contracts.DEFAULT_BLOCKS_TTL}    # seconds D keeps finished KV (router TTL is derived from it)",
         f"  # kv_recompute_threshold: {contracts.DEFAULT_RECOMPUTE_THRESHOLD}    # pull only when at least this many tokens would be reused",
+        *_no_rdma_read_lines(req.hardware),
         "",
         "router:",
         "  state: memory                   # or redis://host:6379/0 to share sessions between routers",

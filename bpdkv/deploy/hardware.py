@@ -9,7 +9,7 @@ Sources for the requirements:
   `ls /sys/class/infiniband/` and `fi_info -p efa`.
 - AWS EFA user guide (GPUDirect RDMA): either the efa_nv_peermem module, or DMA-BUF (Linux >= 5.12 with
   CONFIG_DMA_SHARED_BUFFER) with the open NVIDIA kernel modules.
-- AWS EFA user guide: hardware RDMA read only on instances with Nitro v4 and later; see PRESET_RDMA_READ.
+- AWS EFA user guide: hardware RDMA read only on instances with Nitro v4 and later; bpdkv.topology.checks.PRESETS_WITHOUT_RDMA_READ (refused from the topology alone).
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ from bpdkv.topology.model import Node, Topology
 MIN_LIBFABRIC = (1, 21, 0)  # NIXL libfabric plugin README: "Minimum required version: v1.21.0"
 MIN_DMABUF_KERNEL = (5, 12)  # dma-buf import for RDMA MRs landed in Linux 5.12
 EFA_BIN = "/opt/amazon/efa/bin"  # the EFA installer's tools, not always on a login shell's PATH
-# Presets whose EFA has no hardware RDMA READ. NixlConnector pulls KV with READs (both P←D and, with bidirectional
-# reuse, D's blocks into P); libfabric's efa fabric would emulate them over send/recv — not what the presets were
-# measured with, so bpdkv refuses LIBFABRIC KV transfer there instead of deploying something slow and unverified.
-PRESET_RDMA_READ = {"p4d.24xlarge": False}
 
 
 # ---- GPUs ------------------------------------------------------------------------------------------------------
@@ -299,13 +295,6 @@ def check_hardware(topology: Topology, node: Node, facts: Mapping[str, Any]) -> 
                 + ("has no DMA-BUF" if kernel.version >= MIN_DMABUF_KERNEL else "is older than 5.12")
                 + " and efa_nv_peermem is not loaded; NIXL's LIBFABRIC backend requires GPUDirect RDMA "
                 "(use a kernel >= 5.12 with the open NVIDIA modules, or load efa_nv_peermem)",
-            )
-        if PRESET_RDMA_READ.get(node.hardware or "") is False:
-            problem(
-                "rdma read",
-                f"{node.hardware} EFA has no hardware RDMA READ (AWS: Nitro v4 and later only) and NixlConnector pulls KV by READ; "
-                "libfabric would emulate it over send/recv, which bpdkv has not verified; use p5/p5e/p5en, or set kv_transfer.backend: UCX "
-                "with allow_ucx_on_efa: true (TCP, slow) knowingly",
             )
     return problems
 

@@ -9,12 +9,16 @@ from dataclasses import dataclass
 
 from bpdkv.secrets import plaintext_secret_findings
 from bpdkv.topology.capacity import capacity_problems
+from bpdkv.topology.hostnames import host_problem, jump_host_problem, shown, user_problem
 from bpdkv.topology.load import PathKey
 from bpdkv.topology.model import Instance, Node, Topology
 from bpdkv.topology.vllm_args import owned_arg_problems, turns_off
 
 # First vLLM release with bidirectional_kv_xfer in the NixlConnector.
 MIN_BIDIRECTIONAL_VLLM = (0, 21)
+# Hardware presets whose EFA has no hardware RDMA READ (AWS: RDMA read on Nitro v4 and later only). NixlConnector pulls
+# KV with READs; libfabric would emulate them over send/recv, which bpdkv has not verified: LIBFABRIC is refused there.
+PRESETS_WITHOUT_RDMA_READ = frozenset({"p4d.24xlarge"})
 # P declines a read within 5 s of D's expiry; the router must stop handing params out before that.
 MIN_TTL_MARGIN = 6
 
@@ -78,6 +82,43 @@ def duplicate_nodes(t: Topology) -> Iterator[Problem]:
                     f"data-plane address '{node.data_plane_address}' is also used by node '{other.name}'",
                 )
         seen_dp.setdefault(node.data_plane_address, node)
+
+
+@rule
+def host_names(t: Topology) -> Iterator[Problem]:
+    """host, data_plane_address, ssh.jump_host and ssh.user reach command lines: only host names and IP addresses."""
+    raw_nodes = t.raw.get("nodes", []) if isinstance(t.raw, dict) else []
+    said: set[tuple[PathKey, str]] = set()  # a bad top-level ssh key is said once, not once per node
+    for problem in _host_name_problems(t, raw_nodes):
+        if (problem.path, problem.message) not in said:
+            said.add((problem.path, problem.message))
+            yield problem
+
+
+def _host_name_problems(t: Topology, raw_nodes: list[object]) -> Iterator[Problem]:
+    for node in t.nodes:
+        entry = raw_nodes[node.path[1]] if isinstance(node.path[1], int) and node.path[1] < len(raw_nodes) else None
+        raw = entry if isinstance(entry, dict) else {}
+        problem = host_problem(node.host)
+        if problem:
+            yield Problem(node.path + ("host",), f"host {shown(node.host)} {problem}")
+        if "data_plane_address" in raw:
+            problem = host_problem(node.data_plane_address)
+            if problem:
+                yield Problem(node.path + ("data_plane_address",), f"data_plane_address {shown(node.data_plane_address)} {problem}")
+        own = raw["ssh"] if isinstance(raw.get("ssh"), dict) else {}
+
+        def where(key: str, own: dict[str, object] = own, node: Node = node) -> PathKey:
+            """The node's own ssh key when it sets one, else the topology's (said once for every node using it)."""
+            return node.path + ("ssh", key) if key in own else ("ssh", key)
+
+        if node.ssh.jump_host:
+            problem = jump_host_problem(node.ssh.jump_host)
+            if problem:
+                yield Problem(where("jump_host"), f"jump_host {shown(node.ssh.jump_host)}: {problem}")
+        problem = user_problem(node.ssh.user)
+        if problem:
+            yield Problem(where("user"), f"ssh user {shown(node.ssh.user)} {problem}")
 
 
 @rule
@@ -241,6 +282,21 @@ def efa_backend(t: Topology) -> Iterator[Problem]:
         for node in t.nodes:
             if node.efa_devices == 0 and any(i.role != "router" for i in node.instances):
                 yield Problem(node.path, f"LIBFABRIC backend but node {node.name} has no EFA devices; use UCX there or fix efa_devices")
+
+
+@rule
+def efa_rdma_read(t: Topology) -> Iterator[Problem]:
+    """Known from the topology alone (the node's hardware preset), so validate and plan --offline refuse it too."""
+    if t.kv_transfer.backend != "LIBFABRIC":
+        return
+    for node in t.nodes:
+        if node.hardware in PRESETS_WITHOUT_RDMA_READ and any(i.role != "router" for i in node.instances):
+            yield Problem(
+                node.path + ("hardware",),
+                f"{node.hardware} EFA has no hardware RDMA READ (AWS: Nitro v4 and later only) and NixlConnector pulls KV by READ; "
+                "libfabric would emulate it over send/recv, which bpdkv has not verified; use p5/p5e/p5en, or set kv_transfer.backend: UCX "
+                "with allow_ucx_on_efa: true (TCP, slow) knowingly",
+            )
 
 
 @rule

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Any
 
 from bpdkv.errors import BpdkvError, Diagnostic, InvalidTopology
 from bpdkv.topology import schema
+from bpdkv.topology.hostnames import host_problem, shown
 from bpdkv.topology.load import LoadedDocument, PathKey, SourceMap, format_path
 from bpdkv.topology.profiles import find_profile, list_profiles, suggest
 
@@ -131,17 +133,26 @@ def group_problems(doc: LoadedDocument) -> list[Diagnostic]:
     return out
 
 
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
 def dns_label(text: str) -> str:
     """A tag value as a node name: lowercase letters, digits and '-', at most 63 characters."""
     label = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
     return label[:63].rstrip("-")
 
 
-def _pick(machine: Machine, preferences: Sequence[str]) -> str | None:
+def _pick(machine: Machine, preferences: Sequence[str]) -> tuple[str, str] | None:
+    """(the preference that answered, its value): the first available one."""
     for key in preferences:
         value = machine.attribute(key)
         if value:
-            return value
+            return key, value
     return None
 
 
@@ -206,12 +217,23 @@ def expand_groups(doc: LoadedDocument, machines: Mapping[str, Sequence[Machine]]
                     )
                 )
                 continue
-            host = _pick(m, hostnames)
+            picked = _pick(m, hostnames)
             if not m.private_ip:
                 errors.append(_located(doc.source, where + ("ec2",), f"{what} has no private IP address (the data-plane address)"))
                 continue
-            if host is None:
+            if not _is_ip(m.private_ip):
+                errors.append(
+                    _located(doc.source, where + ("ec2",), f"{what}: EC2 answered private IP {shown(m.private_ip)}, not an IP address")
+                )
+                continue
+            if picked is None:
                 errors.append(_located(doc.source, where + ("ec2", "hostnames"), f"{what} has none of hostnames {', '.join(hostnames)}"))
+                continue
+            key, host = picked
+            problem = host_problem(host)
+            if problem:
+                # A tag value is set by whoever may tag instances: it never reaches a command line unless it is a host.
+                errors.append(_located(doc.source, where + ("ec2", "hostnames"), f"{what}: {key} = {shown(host)} {problem}"))
                 continue
             if label in names_taken:
                 errors.append(
@@ -296,4 +318,6 @@ def offline_inventory(doc: LoadedDocument) -> LoadedDocument:
     problems = group_problems(doc)
     if problems:
         raise InvalidTopology(problems)
-    return expand_groups(doc, placeholder_machines(doc))[0]
+    expanded, inventory = expand_groups(doc, placeholder_machines(doc))
+    untyped = {g["name"] for g in doc.data["node_groups"] if "instance_type" not in g}
+    return dataclasses.replace(expanded, unknown_hardware=frozenset(n.name for n in inventory.nodes if n.group in untyped))

@@ -65,6 +65,9 @@ class LoadedDocument:
     data: Any
     source: SourceMap
     file: str
+    # Placeholder nodes (validate / plan --offline) of node groups without instance_type: their hardware is unknown
+    # until EC2 is asked, so they are checked as machines with what their layout needs.
+    unknown_hardware: frozenset[str] = frozenset()
 
 
 def _fail(file: str, message: str, line: int | None = None, column: int | None = None) -> InvalidTopology:

@@ -131,12 +131,14 @@ def validate_document(doc: LoadedDocument, inventory: Inventory | None = None) -
                 _diag(
                     doc.source,
                     ("node_groups",),
-                    "checked with one placeholder machine per group; `bpdkv inventory`, `plan` and `apply` ask EC2",
+                    "checked with one placeholder machine per group, EC2 not asked; `bpdkv inventory`, `plan` and `apply` ask it",
                     "warning",
                 )
             )
         doc = inventory(doc)
     merged, source, errors = merge_presets(doc)
+    if doc.unknown_hardware:
+        merged = _assume_needed_hardware(merged, doc.unknown_hardware)
     errors += schema.validate(merged, source)
     if errors:
         raise InvalidTopology(*_with_problems_of_valid_parts(merged, source, errors, doc.file))
@@ -148,6 +150,25 @@ def validate_document(doc: LoadedDocument, inventory: Inventory | None = None) -
     if errors:
         raise InvalidTopology(errors, warnings)
     return ValidatedTopology(topology=topology, warnings=warnings, file=doc.file)
+
+
+def _assume_needed_hardware(merged: Any, names: frozenset[str]) -> Any:
+    """A placeholder of a group without instance_type has the GPUs its layout asks for (groups.py) and, in a fleet whose
+    KV moves over LIBFABRIC (written, or implied by another node's EFA), EFA too: inventory checks the real machines'
+    presets, so validate and plan --offline must not refuse what they would accept (nor accept less)."""
+    if not isinstance(merged, dict) or not isinstance(merged.get("nodes"), list):
+        return merged
+    nodes = merged["nodes"]
+    kv: dict[str, Any] = merged["kv_transfer"] if isinstance(merged.get("kv_transfer"), dict) else {}
+    efa_elsewhere = any(isinstance(n, dict) and n.get("name") not in names and _positive(n.get("efa_devices")) for n in nodes)
+    if kv.get("backend", "LIBFABRIC" if efa_elsewhere else "UCX") != "LIBFABRIC":
+        return merged
+    fixed = [dict(n, efa_devices=1) if isinstance(n, dict) and n.get("name") in names and "efa_devices" not in n else n for n in nodes]
+    return dict(merged, nodes=fixed)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _with_problems_of_valid_parts(

@@ -186,3 +186,39 @@ def test_plan_refuses_hosts_that_are_not_their_instance_type(hosts, aws_env: dic
         assert f"{node}: efa devices: 0 EFA device(s) in /sys/class/infiniband, p5en.48xlarge has 16" in output
         assert f"{node}: libfabric: fi_info not found" in output
     assert not (hosts.hosts[0].fs / "etc/bpdkv/manifest.json").exists()
+
+
+def test_a_malicious_tag_value_runs_nothing(hosts, aws_env: dict[str, str], tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The SSH address comes from a tag (`hostnames: [tag:ssh]`) that carries a shell payload next to a real test host's
+    address: inventory and plan refuse it with one line, and nothing runs — not the payload, not the proxy command
+    (which would hand %h to a shell), and no SSH session reaches any host."""
+    ec2 = boto3.client(
+        "ec2", region_name=REGION, endpoint_url=aws_env["AWS_ENDPOINT_URL"], aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
+    vpc = ec2.create_vpc(CidrBlock="10.213.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.213.0.0/24")["Subnet"]["SubnetId"]
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    pwned, proxied = tmp_path / "pwned", tmp_path / "proxy-ran"
+    instance = launch(ec2, subnet, image, "evil", "10.213.0.12", "evil")
+    ec2.create_tags(Resources=[instance], Tags=[{"Key": "ssh", "Value": f"10.213.0.12 -oProxyCommand=touch {pwned};touch {pwned}"}])
+    doc = topology_doc(hosts)
+    doc["nodes"] = [n for n in doc["nodes"] if n["name"] != "host2"]
+    doc["ssh"]["proxy_command"] = f"sh -c 'touch {proxied}; exec nc $0 $1' %h %p"
+    doc["node_groups"] = [
+        {
+            "name": "decode",
+            "instance_type": INSTANCE_TYPE,
+            "ec2": {"region": REGION, "filters": {"tag:role": "evil"}, "hostnames": ["tag:ssh"], "names": ["tag:Name"]},
+            "instances": [{"role": "decode", "port": 8200}],
+        }
+    ]
+    topo = write_topology(tmp_path / "evil.yaml", doc)
+    auth_log = [(h.dir / "host.log").read_text() for h in hosts.hosts]
+    for command in ("inventory", "plan"):
+        result = run(aws_env, command, str(topo))
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+        assert f"instance {instance} (evil): tag:ssh = '10.213.0.12 -oProxyCommand" in lines[0] and "contains" in lines[0], lines[0]
+    assert not pwned.exists() and not proxied.exists()
+    assert [(h.dir / "host.log").read_text() for h in hosts.hosts] == auth_log  # no SSH session was even opened
+    assert not (hosts.hosts[1].fs / "etc/bpdkv/manifest.json").exists()

@@ -357,3 +357,175 @@ def test_no_region_and_unreachable_endpoint_are_one_line(monkeypatch: pytest.Mon
     with pytest.raises(InventoryError) as err:
         load_topology(path, None, Ec2Inventory(max_attempts=1))
     assert "cannot reach the EC2 endpoint" in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- issue 25: every client failure one line; offline asks nothing; validate agrees with inventory -----------------
+
+
+class OddEndpoint(http.server.BaseHTTPRequestHandler):
+    """Answers every call with one fixed status, content type and body (an HTML page, as a proxy in the way would)."""
+
+    status = 200
+    content_type = "text/html"
+    body = "<html><head><title>Proxy login</title></head><body><h1>Please sign in</h1></body></html>"
+    calls = 0
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        type(self).calls += 1
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        data = self.body.encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", self.content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _ec2_error(code: str, message: str) -> str:
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code><Message>{message}</Message>'
+        "</Error></Errors><RequestID>0000</RequestID></Response>"
+    )
+
+
+@pytest.fixture
+def odd_endpoint() -> Iterator[type[OddEndpoint]]:
+    handler = type("Handler", (OddEndpoint,), {"calls": 0})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    handler.url = f"http://127.0.0.1:{server.server_address[1]}"  # type: ignore[attr-defined]
+    try:
+        yield handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _cli_env(url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=url
+    )
+    env.update(extra)
+    return env
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bpdkv.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "body", "attempts", "cause"),
+    [
+        (200, "text/html", OddEndpoint.body, 1, "the endpoint's answer is not EC2's protocol"),
+        (502, "text/html", "<html><body><h1>502 Bad Gateway</h1></body></html>", 3, "the endpoint answered HTTP 502"),
+        (500, "text/xml", _ec2_error("InternalError", "An internal error has occurred"), 3, "the EC2 endpoint failed after retries"),
+        (400, "text/xml", _ec2_error("RequestExpired", "Request has expired."), 1, "the AWS credentials have expired (RequestExpired"),
+        (503, "text/xml", _ec2_error("RequestLimitExceeded", "Request limit exceeded."), 3, "throttled by AWS after retries"),
+    ],
+    ids=["html-200", "html-502", "endpoint-500", "expired", "throttled"],
+)
+def test_every_client_failure_is_one_line_naming_group_and_region(
+    odd_endpoint: type[OddEndpoint], tmp_path: Path, status: int, content_type: str, body: str, attempts: int, cause: str
+) -> None:
+    odd_endpoint.status, odd_endpoint.content_type, odd_endpoint.body = status, content_type, body
+    fleet_path = Fleet.__new__(Fleet)
+    fleet_path.tag = "x"
+    topo = fleet_path.topology(tmp_path)
+    env = _cli_env(odd_endpoint.url, **CREDENTIALS, AWS_MAX_ATTEMPTS="3")  # type: ignore[attr-defined]
+    for command in (["inventory", str(topo)], ["plan", str(topo)]):
+        result = _cli(env, *command)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, (command, result.stderr)
+        assert "node_groups[0] (prefill): EC2 DescribeInstances in us-east-1: " in lines[0] and cause in lines[0], lines[0]
+    assert odd_endpoint.calls == 2 * attempts  # retried as AWS_MAX_ATTEMPTS says where AWS retries, once otherwise
+
+
+def test_plan_offline_asks_aws_nothing_and_says_so(odd_endpoint: type[OddEndpoint], tmp_path: Path) -> None:
+    fleet_path = Fleet.__new__(Fleet)
+    fleet_path.tag = "x"
+    env = _cli_env(odd_endpoint.url)  # type: ignore[attr-defined]  # and no credentials at all
+    result = _cli(env, "plan", "--offline", str(fleet_path.topology(tmp_path)), "--no-diff")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert odd_endpoint.calls == 0
+    assert "node_groups: checked with one placeholder machine per group, EC2 not asked" in result.stderr
+    for node in ("prefill-example", "decode-example", "router"):
+        assert node in result.stdout  # one placeholder machine per group, planned like any node
+
+
+def untyped_next_to_p5en(tmp_path: Path, tag: str, backend: str = "") -> Path:
+    """A decode group without instance_type (optional) next to a p5en prefill group."""
+    path = tmp_path / "untyped.yaml"
+    path.write_text(
+        f"""apiVersion: bpdkv/v1
+name: untyped
+profile: qwen3-32b
+{backend}ssh: {{user: ubuntu}}
+node_groups:
+  - name: prefill
+    instance_type: p5en.48xlarge
+    ec2: {{region: {REGION}, filters: {{tag:fleet: {tag}, tag:role: prefill}}}}
+    instances: [{{role: prefill, gpus: [0, 1, 2, 3], tp: 4}}]
+  - name: decode
+    ec2: {{region: {REGION}, filters: {{tag:fleet: {tag}, tag:role: decode}}}}
+    instances: [{{role: decode, gpus: [0, 1, 2, 3, 4, 5, 6, 7], tp: 8}}]
+nodes:
+  - {{name: router, host: 10.9.9.9, accelerator: cpu, instances: [{{role: router}}]}}
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def test_validate_and_plan_offline_agree_with_inventory_on_optional_instance_type(aws: Any, tmp_path: Path) -> None:
+    fleet = Fleet(aws)
+    fleet.launch("prefill", 1, names=["p"])
+    fleet.launch("decode", 1, names=["d"])  # a p5en too: inventory takes its preset from the machine
+    path = untyped_next_to_p5en(tmp_path, fleet.tag)
+    resolver = Ec2Inventory()
+    online = load_topology(path, None, resolver).topology
+    assert online.kv_transfer.backend == "LIBFABRIC" and {n.name: n.efa_devices for n in online.nodes}["d"] == 16
+    offline = load_topology(path).topology  # validate: placeholders, no AWS
+    assert offline.kv_transfer.backend == "LIBFABRIC"
+    checked = subprocess.run(["bpdkv", "validate", str(path)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    planned = _cli(_cli_env("http://127.0.0.1:9"), "plan", "--offline", str(path), "--no-diff")
+    assert planned.returncode == 2, planned.stdout + planned.stderr
+
+
+def test_p4d_with_libfabric_refused_from_the_topology_alone(tmp_path: Path) -> None:
+    path = untyped_next_to_p5en(tmp_path, "x", "kv_transfer: {backend: LIBFABRIC}\n")
+    path.write_text(path.read_text().replace("p5en.48xlarge", "p4d.24xlarge").replace("[0, 1, 2, 3], tp: 4", "[0, 1], tp: 2"))
+    for args in (["validate", str(path)], ["plan", "--offline", str(path)]):
+        result = _cli(_cli_env("http://127.0.0.1:9"), *args)
+        refused = [line for line in result.stderr.splitlines() if "RDMA READ" in line]
+        assert result.returncode == 1 and len(refused) == 1, result.stdout + result.stderr
+        assert f"{path}:" in refused[0] and "p4d.24xlarge EFA has no hardware RDMA READ" in refused[0]
+
+
+def test_a_malicious_tag_value_never_reaches_a_command_line(aws: Any, tmp_path: Path) -> None:
+    """`hostnames: [tag:ssh]`: whoever may tag instances sets the value. A shell payload in it is refused (one line naming
+    the instance and the tag) by inventory and plan, and nothing runs: not the payload, not the proxy command."""
+    fleet = Fleet(aws)
+    marker, proxied = tmp_path / "pwned", tmp_path / "proxy-ran"
+    payload = f"10.120.0.9;touch {marker}"
+    ids = fleet.launch("prefill", 1, names=["p"])
+    fleet.launch("decode", 1, names=["d"])
+    aws.create_tags(Resources=ids, Tags=[{"Key": "ssh", "Value": payload}])
+    path = fleet.topology(tmp_path)
+    text = path.read_text().replace(
+        "      filters: {tag:fleet: " + fleet.tag + ", tag:role: prefill}\n",
+        "      filters: {tag:fleet: " + fleet.tag + ", tag:role: prefill}\n      hostnames: [tag:ssh]\n",
+    )
+    text = text.replace("ssh: {user: ubuntu}", f"ssh: {{user: ubuntu, proxy_command: \"sh -c 'touch {proxied}; nc $0 22' %h\"}}")
+    path.write_text(text)
+    for command in ("inventory", "plan"):
+        result = _cli(dict(os.environ), command, str(path))
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+        assert f"instance {ids[0]} (p): tag:ssh = '10.120.0.9;touch " in lines[0] and "' contains ' ', '/', ';'" in lines[0], lines[0]
+        assert "node_groups[0].ec2.hostnames" in lines[0]
+    assert not marker.exists() and not proxied.exists()

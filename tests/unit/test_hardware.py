@@ -21,6 +21,7 @@ from bpdkv.deploy.hardware import (
     gpu_family,
     memlock_problems,
 )
+from bpdkv.errors import InvalidTopology
 from bpdkv.render import render_topology
 from bpdkv.topology.loader import load_topology
 from bpdkv.topology.model import Node, Topology
@@ -170,20 +171,18 @@ def test_router_only_node_needs_no_accelerator() -> None:
 
 
 def test_p4d_refuses_libfabric_for_lack_of_rdma_read(tmp_path: Path) -> None:
+    """Known from the topology alone: validate (and plan --offline) refuse it, before any host is asked."""
     doc = (EXAMPLES / "p5en-qwen3-32b.yaml").read_text().replace("p5en.48xlarge", "p4d.24xlarge")
     doc = doc.replace("\nkv_transfer:", "\nmodel: {id: Qwen/Qwen3-32B, max_model_len: 8192}  # fits tp 2 on 40 GB\nkv_transfer:", 1)
     path = tmp_path / "p4d.yaml"
     path.write_text(doc)
-    t = load_topology(path).topology
-    p4d = facts(
-        "nvidia-smi.p4d.doc.txt",
-        "infiniband.p5en-4-of-16.doc.txt",
-        "fi_info-efa.p5en-libfabric-1.22.doc.txt",
-        "fi_info-version.1.22.doc.txt",
-        "kernel.ubuntu-6.8-aws-dmabuf.doc.txt",
-    )
-    problems = check_hardware(t, t.nodes[0], p4d)
-    assert [p.fact for p in problems] == ["rdma read"] and "RDMA READ" in problems[0].message
+    with pytest.raises(InvalidTopology) as err:
+        load_topology(path)
+    lines = [line for line in err.value.lines() if "RDMA READ" in line]
+    assert len(lines) == 2 and all(".hardware: p4d.24xlarge EFA has no hardware RDMA READ" in line for line in lines), err.value.lines()
+    ucx = path.read_text().replace("kv_transfer:", "kv_transfer:\n  backend: UCX\n  allow_ucx_on_efa: true", 1)
+    path.write_text(ucx)
+    assert load_topology(path).topology.kv_transfer.backend == "UCX"  # said knowingly: accepted
 
 
 def test_rendered_units_lock_unlimited_memory(p5en: tuple[Topology, Node, Node]) -> None:

@@ -24,9 +24,11 @@ from botocore.exceptions import (
     NoRegionError,
     PartialCredentialsError,
     ReadTimeoutError,
+    TokenRetrievalError,
 )
+from botocore.parsers import ResponseParserError
 
-from bpdkv.errors import BpdkvError, InvalidTopology
+from bpdkv.errors import BpdkvError, InvalidTopology, one_line
 from bpdkv.topology.groups import Inventory, Machine, expand_groups, group_problems
 from bpdkv.topology.load import LoadedDocument
 
@@ -41,6 +43,7 @@ DENIED = {
     "UnrecognizedClientException",
 }
 THROTTLED = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "TooManyRequestsException"}
+EXPIRED = {"ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired", "InvalidToken"}
 
 
 class InventoryError(BpdkvError):
@@ -89,27 +92,50 @@ def machine_from(instance: dict[str, Any]) -> Machine:
 
 
 def _explain(exc: Exception, selector: Ec2Selector, region: str | None) -> str:
+    """One line: the group (file:line), the region asked, the cause and what to do."""
     at = f"{selector.where}: EC2 DescribeInstances in {region or 'the default region'}"
-    if isinstance(exc, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)):
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError, TokenRetrievalError)):
         return (
-            f"{selector.where}: no usable AWS credentials ({exc}); set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            f"{at}: no usable AWS credentials ({exc}); set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
             "or run where an instance role is available"
         )
     if isinstance(exc, NoRegionError):
         return f"{selector.where}: no AWS region; set ec2.region on the group, AWS_REGION or AWS_DEFAULT_REGION"
     if isinstance(exc, ClientError):
-        code = exc.response.get("Error", {}).get("Code", "?")
-        message = exc.response.get("Error", {}).get("Message", "")
+        code = str(exc.response.get("Error", {}).get("Code", "?"))
+        message = str(exc.response.get("Error", {}).get("Message", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code in DENIED:
             return f"{at}: access denied ({code}: {message}); the caller needs ec2:DescribeInstances (docs/ec2.md)"
+        if code in EXPIRED:
+            return f"{at}: the AWS credentials have expired ({code}: {message}); refresh them (aws sso login, a new session token)"
         if code in THROTTLED:
             return f"{at}: throttled by AWS after retries ({code}); retry later or raise AWS_MAX_ATTEMPTS"
         if code.startswith("InvalidParameter") or code == "InvalidFilter":
             return f"{at}: EC2 rejected the group's filters ({code}: {message})"
+        if code.isdigit():  # botocore's generic error: the body was no EC2 error document (an HTML page from a proxy?)
+            return f"{at}: the endpoint answered HTTP {code} ({message or 'no reason'}) without an EC2 error document; check AWS_ENDPOINT_URL and proxies"
+        if isinstance(status, int) and status >= 500:
+            return f"{at}: the EC2 endpoint failed after retries (HTTP {status}, {code}: {message}); retry later"
         return f"{at} failed ({code}: {message})"
+    if isinstance(exc, (ResponseParserError, NotEc2)):
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        return f"{at}: the endpoint's answer is not EC2's protocol ({first}); check AWS_ENDPOINT_URL and proxies"
     if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError)):
         return f"{at}: cannot reach the EC2 endpoint ({exc})"
     return f"{at} failed ({type(exc).__name__}: {exc})"
+
+
+class NotEc2(Exception):
+    """An answer botocore parsed without complaint that is not EC2's (an HTML page parses as an empty result)."""
+
+
+def _check_protocol(page: dict[str, Any]) -> None:
+    meta = page.get("ResponseMetadata", {}) if isinstance(page, dict) else {}
+    headers = {str(k).lower(): str(v) for k, v in (meta.get("HTTPHeaders") or {}).items()}
+    kind = headers.get("content-type", "no content type")
+    if not meta.get("RequestId") or "html" in kind.lower():
+        raise NotEc2(f"HTTP {meta.get('HTTPStatusCode', '?')}, {kind}, no EC2 request id")
 
 
 def _env_attempts() -> int:
@@ -146,14 +172,15 @@ class Ec2Inventory:
             )
             machines = []
             for page in pages:
+                _check_protocol(page)
                 for reservation in page.get("Reservations", []):
                     for instance in reservation.get("Instances", []):
                         # Also checked here: a user filter on instance-state-name must still never yield a stopped node.
                         if instance.get("State", {}).get("Name") == RUNNING:
                             machines.append(machine_from(instance))
             return machines
-        except (BotoCoreError, ClientError) as exc:
-            raise InventoryError(_explain(exc, selector, region)) from None
+        except (BotoCoreError, ClientError, ResponseParserError, NotEc2) as exc:
+            raise InventoryError(one_line(_explain(exc, selector, region))) from None
 
     def __call__(self, doc: LoadedDocument) -> LoadedDocument:
         problems = group_problems(doc)
