@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -115,6 +116,7 @@ def start_router(urls: dict[str, str], port: int, workers: int, work: Path, redi
     return Proc([sys.executable, "-m", "bpdkv.cli", "router", "--config", str(path), "--log-level", "warning"]), redis_port
 
 
+TOKENS = 64  # D streams this many (the emulator's --tokens); set by main and load_worker
 SYSTEM = "You are a terse assistant answering benchmark questions. " * 4
 
 
@@ -175,7 +177,7 @@ async def client(port: int, deadline: float, measure_from: float, results: dict[
                 if time.monotonic() >= deadline:
                     break
                 messages.append({"role": "user", "content": f"conversation {cid} turn {turn}: next step?"})
-                body = json.dumps({"model": "m", "messages": messages, "max_tokens": 64, "stream": True, "ignore_eos": True}).encode()
+                body = json.dumps({"model": "m", "messages": messages, "max_tokens": TOKENS, "stream": True, "ignore_eos": True}).encode()
                 t0 = time.monotonic()
                 try:
                     ttft, total, n = await one_request(reader, writer, body)
@@ -213,9 +215,11 @@ def _use_loop(name: str) -> None:
 
 def load_worker(argv: list[str]) -> None:
     """One load-generator process (--client-procs > 1): its share of the conversations; results as JSON on stdout."""
+    global TOKENS
     port, concurrency, first_cid, turns = (int(a) for a in argv[:4])
     start, warmup, seconds = (float(a) for a in argv[4:7])
     _use_loop(argv[7])
+    TOKENS = int(argv[8])
     results = asyncio.run(load(port, concurrency, start, warmup, seconds, turns, first_cid))
     results["cpu_s"] = time.process_time()
     print(json.dumps(results))
@@ -233,7 +237,7 @@ def run_load(port: int, c: int, args: argparse.Namespace) -> tuple[dict[str, Any
     procs, first = [], 0
     for share in shares:
         if share:
-            argv = [str(x) for x in (port, share, first, args.turns, start, args.warmup, args.seconds, args.client_loop)]
+            argv = [str(x) for x in (port, share, first, args.turns, start, args.warmup, args.seconds, args.client_loop, args.tokens)]
             procs.append(subprocess.Popen([sys.executable, __file__, "--load-worker", *argv], stdout=subprocess.PIPE))
         first += share
     merged: dict[str, Any] = {"ttft": [], "total": [], "done": 0, "all": 0, "errors": []}
@@ -510,6 +514,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--warmup", type=float, default=1.5)
     ap.add_argument("--turns", type=int, default=6, help="turns per conversation before a new one starts")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens D streams per request (the capacity model's per-token cost)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="bpdkv worker counts, one mode each (1 = one process)")
     ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes (1: in this process)")
     ap.add_argument("--emulator-procs", type=int, default=1, help="emulated P/D processes sharing their ports")
@@ -524,6 +529,10 @@ def main() -> None:
     ap.add_argument("--note", default="", help="what else shared the hardware (written into the JSON)")
     ap.add_argument("--profile", type=Path, default=None, help="folder for py-spy profiles of the bpdkv modes at the largest C")
     args = ap.parse_args()
+    global TOKENS
+    TOKENS = args.tokens
+    # SIGTERM (timeout, a CI stop) ends the run through the finally below: every process it started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="router-overhead-"))
 
     procs: list[Proc] = []
@@ -534,7 +543,7 @@ def main() -> None:
         "runs": [],
     }
     try:
-        emu_argv = [sys.executable, str(ROOT / "benchmarks" / "fastemu.py"), "--max-seconds", "1800"]
+        emu_argv = [sys.executable, str(ROOT / "benchmarks" / "fastemu.py"), "--max-seconds", "1800", "--tokens", str(args.tokens)]
         if args.emulator_procs > 1:
             emu_argv += ["--port-p", str(free_port()), "--port-d", str(free_port()), "--reuse-port"]
         emus = [Proc(emu_argv) for _ in range(max(1, args.emulator_procs))]
