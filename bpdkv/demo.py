@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bpdkv.contracts import P_CACHE_HEADER
+from bpdkv.contracts import P_CACHE_HEADER, PATHS_HEADER, PATHS_PULL_ONLY
 from bpdkv.errors import BpdkvError
 from bpdkv.lab import CACHE_DIR, tiny_model
 from bpdkv.lab.vllm_env import install_hint
@@ -77,7 +77,8 @@ def chat(
     """A greedy multi-turn conversation; prefill_cache=False has the router give P a fresh cache_salt each turn
     (emulates eviction on P), so what P does not compute itself must come from D."""
     messages = [{"role": "system", "content": SYSTEM}]
-    headers = {} if prefill_cache else {P_CACHE_HEADER: "off"}
+    # Every turn through P (never continued on D: router per-turn paths), so that what P pulls from D shows.
+    headers = {PATHS_HEADER: PATHS_PULL_ONLY} if prefill_cache else {P_CACHE_HEADER: "off", PATHS_HEADER: PATHS_PULL_ONLY}
     out = []
     for i in range(turns):
         messages.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]})
