@@ -20,7 +20,9 @@ from bpdkv.router.upstreams import Pool, Upstream
 
 log = logging.getLogger("bpdkv.router")
 # Keys of D's (or P's) answer that are news for the router, not part of where the blocks are.
-ANNOUNCEMENT_KEYS = frozenset({contracts.RELEASED_REQUEST_IDS, contracts.PULL_OUTCOME, contracts.PULLED_TOKENS})
+ANNOUNCEMENT_KEYS = frozenset(
+    {contracts.RELEASED_REQUEST_IDS, contracts.PULL_OUTCOME, contracts.PULLED_TOKENS, contracts.LOCAL_CACHED_TOKENS}
+)
 
 
 def release_key(decode: str, request_id: Any) -> str:
