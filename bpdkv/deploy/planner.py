@@ -44,6 +44,7 @@ class UnitAction:
     action: str  # start | restart | stop | none
     reason: str
     port: int | None = None
+    new: bool = False  # its unit file is created by this apply: a rollback stops it (never matched from `reason`)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,10 @@ class Plan:
                 error=h["error"],
                 files=[FileChange(f["path"], f["action"], f["mode"], f["instance"], f["drift"], f["diff"]) for f in h["files"]],
                 daemon_reload=h["daemon_reload"],
-                units=[UnitAction(u["unit"], u["instance"], u["role"], u["action"], u["reason"], u["port"]) for u in h["units"]],
+                units=[
+                    UnitAction(u["unit"], u["instance"], u["role"], u["action"], u["reason"], u["port"], u.get("new", False))
+                    for u in h["units"]
+                ],
                 facts_digest=h["facts_digest"],
                 packages=[PackageChange(p["name"], p["old"], p["new"], p["action"]) for p in h.get("packages", [])],
                 operations=[ops.from_json(op) for op in h["operations"]],
@@ -406,7 +410,7 @@ def make_plan(
                 action, reason = "none", "up to date"
             if inst.role == "prefill" and action in ("restart", "start") and not new:
                 restarted_prefill.append(inst.name)
-            units.append(UnitAction(art.unit, inst.name, inst.role, action, reason, inst.port))
+            units.append(UnitAction(art.unit, inst.name, inst.role, action, reason, inst.port, new))
         old_units = (f.manifest or {}).get("units", []) if isinstance(f.manifest, dict) else []
         old_instances = (f.manifest or {}).get("instances", {}) if isinstance(f.manifest, dict) else {}
         for unit in old_units:
@@ -538,13 +542,12 @@ def host_operations(
         for u in plan.units:
             if u.role != role or u.action not in ("start", "restart"):
                 continue
-            new = u.reason == "new instance"
             # Drain only what serves traffic through a router that runs already (a new router has nothing to drain).
             drain = router is not None and role in ("prefill", "decode") and u.action == "restart"
             if drain:
                 assert router is not None
                 out.append(ops.Drain(u.instance, router[0], router[1]))
-            out.append(ops.StartUnit(u.unit, u.instance, u.role, u.action == "restart", new, u.reason))
+            out.append(ops.StartUnit(u.unit, u.instance, u.role, u.action == "restart", u.new, u.reason))
             if u.port is not None:
                 listen = topology.router.listen if role == "router" else ""
                 address = listen if listen not in ("", "0.0.0.0", "::", "localhost") else "127.0.0.1"
