@@ -7,9 +7,9 @@ The model, per request, after the digest check (bpdkv/vllm_plugin/decide.py) has
   and byte rate, fitted on the last pulls from it (wall time from P's decision until the blocks are in: pin, scheduling,
   the NIXL READ, noticing it done). bytes(k) = k / block_size × bytes per block (all layers: one NIXL descriptor per
   block and layer, so for one P the descriptor count is proportional to the bytes and its cost is part of the rate);
-- recomputing k tokens on P costs `k × seconds_per_token`, P's own measured prefill rate: the median seconds per token
-  of the last WINDOW prompts of at least MIN_COMPUTE_TOKENS it computed itself from scratch (their small fixed cost
-  makes the rate err towards pulling, as before the cost model);
+- recomputing k tokens on P costs `k × seconds_per_token`, P's own measured prefill rate: the lower quartile of the
+  seconds per token of the last WINDOW prompts of at least MIN_COMPUTE_TOKENS it computed itself from scratch (their
+  fixed cost and the machine's other load would make recompute look dearer than it is);
 - P pulls the k tokens that save the most while `pull(k) <= (1 - margin) × recompute(k)`, the pull fits in the longest
   pin lease and k >= kv_recompute_threshold (the floor). Saving(k) = recompute(k) - pull(k) is linear in k past the
   overhead (and concave once attention makes later tokens dearer), so the best k is the whole offer or, when the
@@ -99,6 +99,11 @@ class Fit:
         return self.intercept + self.slope * x
 
 
+def lower_quartile(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 4]
+
+
 def fit_line(samples: list[tuple[float, float]], prior_intercept: float = 0.0) -> Fit | None:
     """Least squares over (x, seconds) with intercept >= 0 and slope > 0. Sizes too alike to tell the intercept from
     the slope: the prior intercept (capped at 90 % of the fastest sample, so the slope stays positive) and the median
@@ -130,9 +135,9 @@ class Estimate:
     seeded: Fit | None = None
     samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     fit: Fit | None = None
-    # A rate, not a line: seconds per unit, the median over the window (P's prefill: its requests' fixed costs differ
-    # too much between a whole prompt and the tail after a pull for a line's slope to be trusted; a rate that also
-    # carries a little fixed cost errs towards pulling, as before the cost model).
+    # A rate, not a line: seconds per unit, the lower quartile over the window (P's prefill: a whole prompt's time
+    # carries its fixed cost and whatever else shared the machine then; the lower quartile keeps recompute from looking
+    # dearer than it is, which near break-even made P pull where computing was as fast — benchmarks/results/slow_link).
     rate_only: bool = False
 
     def __post_init__(self) -> None:
@@ -157,7 +162,7 @@ class Estimate:
             self.samples.clear()
         self.samples.append((x, seconds))
         if self.rate_only:
-            self.fit = Fit(0.0, statistics.median(t / x for x, t in self.samples))
+            self.fit = Fit(0.0, lower_quartile([t / x for x, t in self.samples]))
             return predicted
         self.fit = fit_line(list(self.samples), self.prior_intercept)
         if self.fit is not None and len(self.samples) >= 2 and max(x for x, _ in self.samples) >= 1.5 * min(x for x, _ in self.samples):
