@@ -19,7 +19,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _red(line: str) -> None:
-    from bpdkv.secrets import mask  # an error quoting a resolved secret never prints it
+    from bpdkv.secret_refs import mask  # an error quoting a resolved secret never prints it
 
     click.secho(mask(line), fg="red", err=True)
 
@@ -53,7 +53,7 @@ def main() -> None:
 
 
 def _load(path: str) -> Any:
-    from bpdkv.topology.loader import load_topology
+    from bpdkv.topology.validate import load_topology
 
     return load_topology(Path(path), path)
 
@@ -125,7 +125,7 @@ def render(topology: str, out_dir: Path, include_secrets: bool) -> None:
         _yellow(w.format())
     model = result.topology
     if include_secrets:
-        from bpdkv.secrets import Resolver, resolve_topology
+        from bpdkv.secret_refs import Resolver, resolve_topology
 
         model = resolve_topology(model, Resolver(base_dir=Path(topology).resolve().parent))
     artifacts = render_topology(model)
@@ -166,8 +166,8 @@ def init(
     """Scaffold a commented topology from a model profile and a hardware preset."""
     from bpdkv.errors import UsageError
     from bpdkv.init import InitRequest, scaffold_topology, write_schema_beside
-    from bpdkv.topology.load import parse_yaml
-    from bpdkv.topology.loader import validate_document
+    from bpdkv.topology.validate import validate_document
+    from bpdkv.topology.yaml_source import parse_yaml
 
     text = scaffold_topology(InitRequest(name, model, hardware, prefill, decode, prefill_tp, decode_tp))
     validate_document(parse_yaml(text, str(output or "<init>")))  # never hand out a topology that does not validate

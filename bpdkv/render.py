@@ -14,7 +14,7 @@ import yaml
 from bpdkv import __version__, contracts
 from bpdkv.errors import RenderError
 from bpdkv.resources import templates_dir
-from bpdkv.secrets import router_secret_files
+from bpdkv.secret_refs import router_secret_files
 from bpdkv.topology.model import Instance, Node, Topology
 
 UNIT_DIR = "/etc/systemd/system"

@@ -50,9 +50,9 @@ from bpdkv.deploy.planner import (
 from bpdkv.deploy.runner import ApplyOptions, HostOutcome, HostStatus, PackageSource, Progress, Report, Runner, for_each_host
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact, render_topology, system_packages
-from bpdkv.secrets import Resolver, health_probe, resolve_topology
-from bpdkv.topology.loader import ValidatedTopology, load_topology
+from bpdkv.secret_refs import Resolver, health_probe, resolve_topology
 from bpdkv.topology.model import Node, Topology
+from bpdkv.topology.validate import ValidatedTopology, load_topology
 
 ConnectorFactory = Callable[[Node], Connector]
 

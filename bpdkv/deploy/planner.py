@@ -14,7 +14,7 @@ from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import PackageChange, package_changes, source_digest
 from bpdkv.deploy.facts import BACKUP_DIR, MANIFEST_PATH, NODE_WHEELHOUSE, DiskSpace, HostFacts, PreflightProblem
 from bpdkv.render import Artifact
-from bpdkv.secrets import secret_diff
+from bpdkv.secret_refs import secret_diff
 from bpdkv.topology.model import Node, Topology
 
 SECRET_KEY = re.compile(r"(?i)(key|token|secret|passw|credential|auth)")

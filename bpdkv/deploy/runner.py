@@ -28,7 +28,7 @@ from bpdkv.deploy.facts import BACKUP_DIR, DIRTY_PATH, LOCK_PATH, MANIFEST_PATH,
 from bpdkv.deploy.planner import HostPlan, Plan, manifest_for
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact
-from bpdkv.secrets import health_probe, router_base
+from bpdkv.secret_refs import health_probe, router_base
 from bpdkv.topology.model import Topology
 
 log = logging.getLogger("bpdkv.deploy")

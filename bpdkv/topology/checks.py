@@ -7,12 +7,12 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from bpdkv.secrets import plaintext_secret_findings
+from bpdkv.secret_refs import plaintext_secret_findings
 from bpdkv.topology.capacity import capacity_problems
 from bpdkv.topology.hostnames import host_problem, jump_host_problem, shown, user_problem
-from bpdkv.topology.load import PathKey
 from bpdkv.topology.model import Instance, Node, Topology
 from bpdkv.topology.vllm_args import owned_arg_problems, turns_off
+from bpdkv.topology.yaml_source import PathKey
 
 # First vLLM release with bidirectional_kv_xfer in the NixlConnector.
 MIN_BIDIRECTIONAL_VLLM = (0, 21)
@@ -368,6 +368,6 @@ def warnings(t: Topology) -> Iterator[Problem]:
 
 @rule
 def plaintext_secrets(t: Topology) -> Iterator[Problem]:
-    """Values that look like credentials written in the topology itself (bpdkv.secrets says how to reference them)."""
+    """Values that look like credentials written in the topology itself (bpdkv.secret_refs says how to reference them)."""
     for path, message in plaintext_secret_findings(t.raw):
         yield Problem(path, message, "warning")

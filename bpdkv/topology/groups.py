@@ -15,8 +15,8 @@ from typing import Any
 from bpdkv.errors import BpdkvError, Diagnostic, InvalidTopology
 from bpdkv.topology import schema
 from bpdkv.topology.hostnames import host_problem, shown
-from bpdkv.topology.load import LoadedDocument, PathKey, SourceMap, format_path
 from bpdkv.topology.profiles import find_profile, list_profiles, suggest
+from bpdkv.topology.yaml_source import LoadedDocument, PathKey, SourceMap, format_path
 
 # Ansible aws_ec2 defaults, narrowed to what a node needs: SSH to the private address, name from the Name tag.
 DEFAULT_HOSTNAMES = ("private-ip-address",)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from bpdkv import contracts
-from bpdkv.secrets import ADMIN_KEY_PATH, parse_ref
-from bpdkv.topology.load import PathKey
+from bpdkv.secret_refs import ADMIN_KEY_PATH, parse_ref
+from bpdkv.topology.yaml_source import PathKey
 
 Role = Literal["prefill", "decode", "router"]
 
@@ -100,7 +100,7 @@ class RouterSpec:
     ttl_margin: int
     api_keys_file: str | None
     reuse: bool
-    # Secret references (bpdkv.secrets): SecretRef placeholders until plan/apply resolves them.
+    # Secret references (bpdkv.secret_refs): SecretRef placeholders until plan/apply resolves them.
     api_keys: tuple[tuple[str, str], ...] = ()  # (tenant, key)
     admin_key: str | None = None
     redis_password: str | None = None

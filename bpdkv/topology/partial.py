@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bpdkv.errors import Diagnostic
-from bpdkv.topology.load import PathKey
+from bpdkv.topology.yaml_source import PathKey
 
 _PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 # Placeholders for required top-level keys, so checks that do not use them still run.

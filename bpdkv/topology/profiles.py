@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bpdkv.resources import profiles_dir
-from bpdkv.topology.load import LoadedDocument, load_yaml_file
+from bpdkv.topology.yaml_source import LoadedDocument, load_yaml_file
 
 KINDS = ("models", "hardware")
 

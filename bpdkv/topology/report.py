@@ -34,7 +34,7 @@ class ValidationReport:
 
 
 def validate_file(path: str) -> ValidationReport:
-    from bpdkv.topology.loader import load_topology
+    from bpdkv.topology.validate import load_topology
 
     try:
         result = load_topology(Path(path), path)

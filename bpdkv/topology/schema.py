@@ -13,7 +13,7 @@ from jsonschema.exceptions import ValidationError
 
 from bpdkv.errors import Diagnostic
 from bpdkv.resources import schemas_dir
-from bpdkv.topology.load import PathKey, SourceMap, format_path
+from bpdkv.topology.yaml_source import PathKey, SourceMap, format_path
 
 
 @cache

@@ -21,7 +21,7 @@ from bpdkv.bench.runner import metric_value
 from bpdkv.demo import build_tiny_model, chat, place_model
 from bpdkv.lab.hosts import TestHosts
 from bpdkv.observability import grafana_dashboard, queried_metrics
-from bpdkv.topology.loader import load_topology
+from bpdkv.topology.validate import load_topology
 from tests.conftest import ROOT
 from tests.hosts.conftest import wipe
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from bpdkv.bench.calibrate import calibrate, override_yaml
 from bpdkv.cli import main
-from bpdkv.topology.loader import load_topology
+from bpdkv.topology.validate import load_topology
 
 COMPUTE = 0.002  # s per prompt token P computes
 PULL = 0.0002  # s per token pulled

@@ -315,7 +315,7 @@ def test_apply_probes_reach_an_https_router_that_requires_keys(https_router: dic
 
     from bpdkv.deploy.connectors import probe
     from bpdkv.deploy.connectors.local import LocalConnector
-    from bpdkv.secrets import health_probe, router_base
+    from bpdkv.secret_refs import health_probe, router_base
 
     router = SimpleNamespace(tls_cert="/etc/bpdkv/router-0.tls.crt", api_keys=(("team-a", KEY_A),), api_keys_file=None)
     base, paths = health_probe("router", router, "127.0.0.1", https_router["port"])

@@ -21,7 +21,7 @@ from bpdkv.router.relay import RelayOutcome, Reply, SseRelay, strip_params
 from bpdkv.router.sessions import MemoryStore, SessionEntry, Verdict, chat_chain, scope_digest, token_chain
 from bpdkv.router.turn import prefill_body
 from bpdkv.router.upstreams import Pool, Upstream
-from bpdkv.topology.loader import load_topology
+from bpdkv.topology.validate import load_topology
 from tests.conftest import ROOT
 
 

@@ -27,7 +27,7 @@ from bpdkv.prometheus_text import metric_value
 from bpdkv.render import render_topology, system_packages
 from bpdkv.router.config import load_config
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
-from bpdkv.topology.loader import load_topology
+from bpdkv.topology.validate import load_topology
 from tests.conftest import ROOT
 from tests.router.helpers import SYSTEM, chat
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from bpdkv.cli import main
 from bpdkv.errors import InvalidTopology
-from bpdkv.topology.load import parse_yaml
-from bpdkv.topology.loader import load_topology, validate_document
+from bpdkv.topology.validate import load_topology, validate_document
+from bpdkv.topology.yaml_source import parse_yaml
 from tests.conftest import DATA, ROOT
 
 BAD = DATA / "bad"

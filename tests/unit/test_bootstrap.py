@@ -19,7 +19,7 @@ from bpdkv.deploy.bootstrap import (
     package_changes,
     source_digest,
 )
-from bpdkv.topology.loader import load_topology
+from bpdkv.topology.validate import load_topology
 from tests.conftest import ROOT
 
 TOPOLOGY = load_topology(ROOT / "examples" / "local-cpu.yaml").topology

@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "bpdkv"
 # Vocabulary and helpers both sides may import: they import only the standard library and each other.
 SHARED = {"bpdkv", "bpdkv.contracts", "bpdkv.errors", "bpdkv.resources", "bpdkv.sse", "bpdkv.turn_client", "bpdkv.prometheus_text"}
-DEPLOY_SIDE = ("bpdkv.deploy", "bpdkv.topology", "bpdkv.render", "bpdkv.secrets", "bpdkv.cli", "bpdkv.init", "bpdkv.demo", "bpdkv.lab")
+DEPLOY_SIDE = ("bpdkv.deploy", "bpdkv.topology", "bpdkv.render", "bpdkv.secret_refs", "bpdkv.cli", "bpdkv.init", "bpdkv.demo", "bpdkv.lab")
 RUNTIMES = ("bpdkv.router", "bpdkv.vllm_plugin")
 # What the vLLM plugin may import besides the standard library: it runs inside vLLM's processes.
 PLUGIN_THIRD_PARTY = {"vllm", "torch"}
@@ -95,7 +95,7 @@ def test_the_graph_reader_sees_lazy_and_relative_imports() -> None:
         (("bpdkv.router",), (*DEPLOY_SIDE, "bpdkv.bench", "bpdkv.vllm_plugin")),
         (("bpdkv.vllm_plugin",), (*DEPLOY_SIDE, "bpdkv.bench", "bpdkv.router")),
         # The pure deploy steps import nothing of the runtimes: shared names live in the shared vocabulary.
-        (("bpdkv.topology", "bpdkv.render", "bpdkv.secrets"), RUNTIMES),
+        (("bpdkv.topology", "bpdkv.render", "bpdkv.secret_refs"), RUNTIMES),
         (("bpdkv.deploy",), RUNTIMES),
         # The CLI and the demo go through the deploy facade.
         (("bpdkv.cli", "bpdkv.demo"), FACADE_INTERNALS),

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from bpdkv.cli import main
 from bpdkv.errors import InvalidTopology
 from bpdkv.topology.capacity import gpu_capacity, instance_capacity, smallest_fitting_tp
-from bpdkv.topology.load import parse_yaml
-from bpdkv.topology.loader import load_topology, validate_document
 from bpdkv.topology.model import ModelSpec
+from bpdkv.topology.validate import load_topology, validate_document
+from bpdkv.topology.yaml_source import parse_yaml
 
 GIB = 2**30
 H200 = 140.4  # GiB per GPU (p5en.48xlarge preset)

@@ -10,8 +10,8 @@ import yaml
 from click.testing import CliRunner
 
 from bpdkv.cli import main
-from bpdkv.topology.loader import load_topology
 from bpdkv.topology.profiles import list_profiles
+from bpdkv.topology.validate import load_topology
 from tests.conftest import DATA, ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

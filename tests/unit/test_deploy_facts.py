@@ -88,7 +88,7 @@ def test_missing_debian_package_is_planned_once_installed_is_not() -> None:
     from bpdkv.deploy.operations import InstallSystemPackages
     from bpdkv.deploy.planner import make_plan
     from bpdkv.render import render_topology
-    from bpdkv.topology.loader import load_topology
+    from bpdkv.topology.validate import load_topology
     from tests.conftest import ROOT
 
     topology = load_topology(ROOT / "examples" / "local-cpu.yaml").topology

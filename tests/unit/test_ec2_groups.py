@@ -8,8 +8,8 @@ import pytest
 
 from bpdkv.errors import InvalidTopology
 from bpdkv.topology.groups import Machine, dns_label, expand_groups
-from bpdkv.topology.load import load_yaml_file
-from bpdkv.topology.loader import validate_document
+from bpdkv.topology.validate import validate_document
+from bpdkv.topology.yaml_source import load_yaml_file
 
 DOC = """apiVersion: bpdkv/v1
 name: groups

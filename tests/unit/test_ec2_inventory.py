@@ -21,7 +21,7 @@ import pytest
 from bpdkv.deploy.inventory import MembershipChanged, check_membership, load_with_inventory
 from bpdkv.deploy.inventory.ec2 import Ec2Inventory, InventoryError
 from bpdkv.errors import InvalidTopology
-from bpdkv.topology.loader import load_topology
+from bpdkv.topology.validate import load_topology
 from tests.ec2_moto import moto_endpoint
 
 pytest.importorskip("moto.server")

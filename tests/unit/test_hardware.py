@@ -23,8 +23,8 @@ from bpdkv.deploy.hardware import (
 )
 from bpdkv.errors import InvalidTopology
 from bpdkv.render import render_topology
-from bpdkv.topology.loader import load_topology
 from bpdkv.topology.model import Node, Topology
+from bpdkv.topology.validate import load_topology
 
 FIXTURES = Path(__file__).parent.parent / "data" / "facts" / "hardware"
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"

@@ -10,8 +10,8 @@ import pytest
 from bpdkv.deploy.connectors import CommandResult, ConnectorError
 from bpdkv.errors import UsageError
 from bpdkv.logs import JournalReader, LogEntry, journal_command, merge, parse_journal_json, select_sources
-from bpdkv.topology.loader import load_topology
 from bpdkv.topology.model import Node
+from bpdkv.topology.validate import load_topology
 from tests.conftest import ROOT
 
 EXAMPLE = ROOT / "examples" / "local-cpu.yaml"

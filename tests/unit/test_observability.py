@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from bpdkv.cli import main
 from bpdkv.observability import INSTANCE_LABEL, ROLE_LABEL, grafana_dashboard, observability_files, queried_metrics
 from bpdkv.router.metrics import RouterMetrics
-from bpdkv.topology.loader import load_topology
+from bpdkv.topology.validate import load_topology
 from tests.conftest import ROOT
 
 EXAMPLE = ROOT / "examples" / "local-cpu.yaml"

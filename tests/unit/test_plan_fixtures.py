@@ -19,7 +19,7 @@ from bpdkv.deploy.facts import DiskSpace, HostFacts, Listener
 from bpdkv.deploy.operations import describe
 from bpdkv.deploy.planner import compat_fingerprint, make_plan
 from bpdkv.render import render_topology
-from bpdkv.topology.loader import load_topology
+from bpdkv.topology.validate import load_topology
 from tests.conftest import DATA, ROOT
 
 FIXTURES = sorted((DATA / "plan").glob("*.json"))

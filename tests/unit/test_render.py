@@ -14,9 +14,9 @@ from jsonschema import Draft202012Validator
 
 from bpdkv.init import InitRequest, scaffold_topology
 from bpdkv.render import Artifact, render_topology
-from bpdkv.topology.load import parse_yaml
-from bpdkv.topology.loader import load_topology, validate_document
 from bpdkv.topology.profiles import list_profiles
+from bpdkv.topology.validate import load_topology, validate_document
+from bpdkv.topology.yaml_source import parse_yaml
 from tests.conftest import DATA, ROOT
 
 GOLDEN = DATA / "golden"

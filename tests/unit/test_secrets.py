@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bpdkv import secrets
-from bpdkv.secrets import Resolver, SecretError, SecretRef, SecretValue
+from bpdkv import secret_refs as secrets
+from bpdkv.secret_refs import Resolver, SecretError, SecretRef, SecretValue
 
 
 @pytest.fixture(scope="module")

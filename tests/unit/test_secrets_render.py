@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import yaml
 
-from bpdkv import secrets
+from bpdkv import secret_refs as secrets
 from bpdkv.render import render_topology
 from bpdkv.router.config import config_from_dict
 from bpdkv.router.security import KeyRing
-from bpdkv.secrets import Resolver, SecretError
-from bpdkv.topology.load import parse_yaml
-from bpdkv.topology.loader import validate_document
+from bpdkv.secret_refs import Resolver, SecretError
+from bpdkv.topology.validate import validate_document
+from bpdkv.topology.yaml_source import parse_yaml
 
 HF = "hf_renderTest0123456789abcdefghij"
 TENANT_KEY = "sk-tenant-render-0123456789abcd"

@@ -19,8 +19,8 @@ from bpdkv.topology.groups import (
     membership_change,
     offline_inventory,
 )
-from bpdkv.topology.load import LoadedDocument
-from bpdkv.topology.loader import ValidatedTopology, load_topology
+from bpdkv.topology.validate import ValidatedTopology, load_topology
+from bpdkv.topology.yaml_source import LoadedDocument
 
 
 def load_with_inventory(path: str, page_size: int | None = None) -> tuple[ValidatedTopology, Inventory | None]:

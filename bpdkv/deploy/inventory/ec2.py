@@ -30,7 +30,7 @@ from botocore.parsers import ResponseParserError
 
 from bpdkv.errors import BpdkvError, InvalidTopology, one_line
 from bpdkv.topology.groups import Inventory, Machine, expand_groups, group_problems
-from bpdkv.topology.load import LoadedDocument
+from bpdkv.topology.yaml_source import LoadedDocument
 
 # The state filter every selection gets: a stopped instance is not a node (Ansible's aws_ec2 leaves it to the user).
 RUNNING = "running"

@@ -10,10 +10,10 @@ from typing import Any
 
 from bpdkv.errors import Diagnostic, InvalidTopology
 from bpdkv.topology import checks, schema
-from bpdkv.topology.load import LoadedDocument, PathKey, Position, SourceMap, format_path, load_yaml_file
 from bpdkv.topology.model import Topology, build_topology
 from bpdkv.topology.partial import valid_parts
 from bpdkv.topology.profiles import find_profile, list_profiles, load_profile, suggest
+from bpdkv.topology.yaml_source import LoadedDocument, PathKey, Position, SourceMap, format_path, load_yaml_file
 
 # Keys a hardware preset may fill on a node; everything else in the preset is documentation.
 HARDWARE_NODE_KEYS = ("accelerator", "gpus", "gpu_model", "gpu_memory_gib", "efa_devices", "env")
