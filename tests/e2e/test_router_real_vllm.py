@@ -8,6 +8,7 @@ reference. Three servers, shared by the module; ~3 min on 2 cores."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -21,7 +22,7 @@ import pytest
 from bpdkv import contracts
 from bpdkv.bench.runner import metric_value
 from bpdkv.router.app import Router
-from bpdkv.router.config import HealthSettings, RouterConfig, Timeouts, UpstreamSpec
+from bpdkv.router.config import HealthSettings, PathSettings, RouterConfig, Timeouts, UpstreamSpec
 from bpdkv.sse import read_stream
 from bpdkv.testing.record_vllm import (
     ONE_CALL,
@@ -45,8 +46,12 @@ FENCE_REFUSALS = ("released", "pin_unanswered")  # P's pull outcomes when the D 
 
 
 class Fleet:
-    def __init__(self, p: VllmCpuServer, d: VllmCpuServer, ref: VllmCpuServer, router_url: str) -> None:
+    def __init__(self, p: VllmCpuServer, d: VllmCpuServer, ref: VllmCpuServer, router_url: str, paths_url: str = "") -> None:
         self.p, self.d, self.ref, self.url = p, d, ref, router_url
+        self.paths_url = paths_url  # a second router on the same servers with per-turn paths on (decode_local)
+
+    def server_metric(self, url: str, name: str, **labels: str) -> float:
+        return metric_value(httpx.get(url + "/metrics", timeout=30).text, name, labels)
 
     def pulled(self) -> float:
         """Tokens P has read from D's blocks so far."""
@@ -79,16 +84,19 @@ def fleet(tiny_model: Path) -> Iterator[Fleet]:
             for server in (p, d, ref):
                 server.wait()
             # No active health checks: the router must not learn of D's restart before P fails a pull.
+            # The pull path (every turn through P) for the tests that are about it; a second router with per-turn paths on.
             config = RouterConfig(
                 prefill=(UpstreamSpec("prefill-0", p.url),),
                 decode=(UpstreamSpec("decode-0", d.url),),
                 timeouts=Timeouts(connect=5, prefill=120, decode_first_byte=120, decode_idle=120),
                 health=HealthSettings(interval=0, failures_to_eject=3, backoff_max=5),
+                paths=PathSettings(local_max_tokens=0),
             )
             router = Router(config)
-            group = ServerGroup([router.app])
-            (url,) = group.start()
-            yield Fleet(p, d, ref, url)
+            paths_router = Router(dataclasses.replace(config, paths=PathSettings(local_max_tokens=64, load_interval=0.5)))
+            group = ServerGroup([router.app, paths_router.app])
+            url, paths_url = group.start()
+            yield Fleet(p, d, ref, url, paths_url)
         finally:
             if group is not None:
                 group.stop()
@@ -261,3 +269,72 @@ def test_decode_restart_between_turns_is_invisible_to_the_client(fleet: Fleet) -
     again = ask(fleet.url, messages, False, headers=headers, max_tokens=24)
     assert seen(again)[:2] == seen(ask(fleet.ref.url, messages, False, max_tokens=24))[:2]
     assert fleet.pulled() - before >= 32
+
+
+def test_short_turns_continue_on_d_and_a_long_one_pulls_through_p(fleet: Fleet) -> None:
+    """Per-turn paths (router/paths.py) on real vLLM: a turn carrying a long tool result goes through P, which pulls the
+    history from D; the short turn after it goes straight to D, which computes only the new tokens on top of its own
+    prefix cache — P receives nothing for it — and every answer equals the reference, token for token (JSON) and
+    streamed. A short turn right after a local one continues on D only if D's plugin held that turn again."""
+    url = fleet.paths_url
+    computed_on_d = ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
+    hits_on_d = ("vllm:prompt_tokens_by_source_total", {"source": "local_cache_hit"})
+
+    def router(name: str, **labels: str) -> float:
+        return metric_value(httpx.get(url + "/metrics", timeout=10).text, name, labels)
+
+    def on_p() -> float:
+        return fleet.server_metric(fleet.p.url, "vllm:prompt_tokens_total")
+
+    free = {"tools": TOOLS, "max_tokens": 16, "return_token_ids": True}
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris, please."}]
+    first = ask(url, messages, False, **forced_tool_calls(ONE_CALL), max_tokens=TOOL_MAX_TOKENS)
+    assert seen(first) == seen(ask(fleet.ref.url, messages, False, **forced_tool_calls(ONE_CALL), max_tokens=TOOL_MAX_TOKENS))
+    messages.append(first["message"])
+    # "Long" at this scale: over the router's 64 (bytes / 3 + 8 per message + one 32-token block); the tiny model's
+    # context (1024) holds the tools, the forced call and every turn.
+    long_turns = [
+        {
+            "role": "tool",
+            "tool_call_id": first["message"]["tool_calls"][0]["id"],
+            "content": "Paris: sunny, 21 degrees, light wind from the west, no rain expected today.",
+        },
+        {"role": "user", "content": "Here is the Rome forecast: sunny, 19 degrees, light wind from the north, no rain."},
+    ]
+    for round_, (long_turn, question, stream) in enumerate(
+        zip(long_turns, ("Thanks. And in Rome?", "And tomorrow?"), (False, True), strict=True)
+    ):
+        messages.append(long_turn)
+        pulled, local = fleet.pulled(), router("bpdkv_router_paths_total", path="decode_local")
+        # P's own cache bypassed (as in the tool test above): what P takes from D shows as a pull.
+        got = ask(url, messages, False, headers={contracts.P_CACHE_HEADER: contracts.SWITCH_OFF}, **free)
+        want = ask(fleet.ref.url, messages, False, **free)
+        assert seen(got) == seen(want) and got["output_ids"] == want["output_ids"], (round_, got, want)
+        assert router("bpdkv_router_paths_total", path="decode_local") == local, "a long turn went to D"
+        if round_ == 0:  # D held the previous (P/D) turn: P pulled the history from it
+            assert router("bpdkv_router_paths_total", path="prefill_pull") == 1 and fleet.pulled() > pulled
+        messages += [got["message"], {"role": "user", "content": question}]
+        p_before, local = on_p(), router("bpdkv_router_paths_total", path="decode_local")
+        d_computed = fleet.server_metric(fleet.d.url, computed_on_d[0], **computed_on_d[1])
+        d_hits = fleet.server_metric(fleet.d.url, hits_on_d[0], **hits_on_d[1])
+        missing = router("bpdkv_router_d_params_missing_total")
+        got = ask(url, messages, stream, **(free if not stream else {"tools": TOOLS, "max_tokens": 16}))
+        want = ask(fleet.ref.url, messages, False, **free)
+        assert seen(got) == seen(want), (round_, got, want)
+        if not stream:
+            assert got["output_ids"] == want["output_ids"], (round_, got, want)
+        assert router("bpdkv_router_paths_total", path="decode_local") == local + 1, round_
+        assert on_p() == p_before, "P received a turn that continued on D"
+        computed = fleet.server_metric(fleet.d.url, computed_on_d[0], **computed_on_d[1]) - d_computed
+        hits = fleet.server_metric(fleet.d.url, hits_on_d[0], **hits_on_d[1]) - d_hits
+        prompt = len(want["prompt_ids"])
+        assert hits >= prompt - 3 * BLOCK and computed <= 3 * BLOCK, (round_, prompt, hits, computed)  # D's cache had it
+        messages.append(got["message"])
+        held_again = router("bpdkv_router_d_params_missing_total") == missing  # D returned where it holds that turn
+    # One more short turn right after the local one: D continues it only if its plugin held the local turn again.
+    messages.append({"role": "user", "content": "Thanks!"})
+    local = router("bpdkv_router_paths_total", path="decode_local")
+    got = ask(url, messages, False, **free)
+    assert got["output_ids"] == ask(fleet.ref.url, messages, False, **free)["output_ids"]
+    print(f"\nafter a local turn D held again: {held_again}")
+    assert router("bpdkv_router_paths_total", path="decode_local") == local + (1 if held_again else 0)
