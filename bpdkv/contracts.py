@@ -87,7 +87,9 @@ EXTRA_BLOCKS_TTL: Final = "decoder_kv_blocks_ttl"  # seconds D keeps a finished 
 EXTRA_RECOMPUTE_THRESHOLD: Final = "kv_recompute_threshold"  # fewer tokens than this to pull: P computes them
 EXTRA_UNVERIFIED_REUSE: Final = "unverified_reuse"  # bpdkv's: "refuse" | "allow" a pull from a D that sent no digests
 EXTRA_HOLD_BUDGET: Final = "bpdkv_hold_budget"  # bpdkv's: share of D's KV cache blocks finished requests may hold, (0, 1]
-EXTRA_COST_SEED: Final = "bpdkv_cost_seed"  # bpdkv's (P): its cost model's seed from `bpdkv calibrate` (topology kv_transfer.pull_cost_seed)
+EXTRA_COST_SEED: Final = (
+    "bpdkv_cost_seed"  # bpdkv's (P): its cost model's seed from `bpdkv calibrate` (topology kv_transfer.pull_cost_seed)
+)
 # Defaults: upstream's (NixlConnector) for its keys; the topology, the plugin and the emulator all read these.
 DEFAULT_LEASE_DURATION: Final = 30
 DEFAULT_BLOCKS_TTL: Final = 480
