@@ -13,7 +13,7 @@
 # protocol lines. Everything goes to /tmp/res, packed into $OUT/<step>.tgz (the tool returns at most 8 files).
 # Env: PROBE_ONLY=1 skips vLLM (only the NIXL probe); SKIP_PROBE=1 skips the NIXL probe; PD_ENV="VAR=VALUE ..." extra
 # env for P and D; AB_ENV="VAR=VALUE ...": after the first bench, fresh P and D with that env and the same bench again
-# (files a-* and b-*); LIMIT (default 380) is the call's own deadline in seconds (keep it below the call's timeout_s).
+# (files a-* and b-*); AGENTIC="ARGS": then on the b servers issue 22's agentic bench (paths both, then reuse off); LIMIT (default 380) is the call's own deadline in seconds (keep it below the call's timeout_s).
 # The one-GPU transport fix found by calls 4 and 5 (ucx, getz): UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y. A final run:
 #   calls 1 and 2 as above, then call 3 with
 #   SKIP_PROBE=1 LIMIT=540 AB_ENV=UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y bash benchmarks/gpu/h200-033.sh 3   (timeout_s 580)
@@ -142,7 +142,7 @@ case $step in
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
     ;;
   2)
-    cp $S/2/vllm.part.1 /tmp/stage/ && cat /tmp/stage/vllm.part.0 /tmp/stage/vllm.part.1 > /tmp/stage/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    cp $S/2/vllm.part.* /tmp/stage/ && cat /tmp/stage/vllm.part.0 $(ls /tmp/stage/vllm.part.0b 2>/dev/null) /tmp/stage/vllm.part.1 > /tmp/stage/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
     sha256sum /tmp/stage/vllm-0.33.0-*.whl
     $PIP /tmp/stage/vllm-0.33.0-*.whl $S/2/*.whl && echo "vllm 0.33.0 installed at ${SECONDS}s"
     ;;
@@ -185,6 +185,8 @@ for p in ('vllm', 'torch', 'nixl', 'nixl_cu13', 'bpdkv'):
         print(p, '?', exc)" | tee "$RES/versions.txt"
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv >> "$RES/versions.txt"
     echo "installed at ${SECONDS}s"
+    [ -n "${PROBE_ONLY:-}" ] || grep -q "^vllm 0.33" "$RES/versions.txt" \
+      || { echo "vLLM is not installed: a fresh machine (the last one went back after call 2); run calls 1 and 2 again"; pack; exit 1; }
     if [ -z "${PROBE_ONLY:-}" ]; then
       mkdir -p /tmp/gpuvenv/bin /tmp/qwen3-8b
       printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/gpuvenv/bin/python && chmod +x /tmp/gpuvenv/bin/python
@@ -226,6 +228,14 @@ JSON
         start_pd $AB_ENV
         echo "P and D restarting at ${SECONDS}s with: $AB_ENV" | tee "$RES/b-env.txt"
         wait_pd $(( $(left) - 150 )) && serve_and_bench b || { logs_of start-failed-b; echo "b: no servers"; }
+        if [ -n "${AGENTIC:-}" ] && curl -sf localhost:8000/ready >/dev/null; then
+          # Issue 22 on the b servers (AB_ENV, same P/D/router, own prompts per mode): the agentic workload, paths auto vs
+          # pull-only (reuse on), then reuse off. AGENTIC="ARGS..." sizes it (e.g. --scale 0.5 --conversations 4).
+          bench b-agentic-paths --workload agentic --paths both --reuse on --allow-warm --seed 21 $AGENTIC
+          metrics b-agentic-paths-after
+          bench b-agentic-off --workload agentic --paths pull-only --reuse off --allow-warm --seed 22 $AGENTIC
+          metrics b-agentic-after
+        fi
       else
         echo "no time left for the AB_ENV run at ${SECONDS}s" | tee "$RES/b-env.txt"
       fi
