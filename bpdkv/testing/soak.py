@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from bpdkv import contracts
 from bpdkv.lab.ports import free_port
 from bpdkv.lab.processes import stop_group
 from bpdkv.sse import read_stream
@@ -77,7 +78,8 @@ class SoakReport:
     restarts: list[Restart] = field(default_factory=list)
     rss_mb: list[tuple[float, float]] = field(default_factory=list)
     wrong_kv_tokens: float = 0.0  # KV of other tokens pulled by a P (a history merged with another): must stay 0
-    pulls: float = 0.0  # P's pulls of D's blocks: the soak exercised reuse
+    pulls: float = 0.0  # P's pulls of D's blocks: the soak exercised reuse through P
+    local_turns: float = 0.0  # turns D continued from its own hold (decode_local)
 
     def overlaps_a_death(self, r: RequestRecord) -> bool:
         """In flight when an upstream was killed (its shutdown takes up to the graceful timeout)."""
@@ -114,6 +116,7 @@ class SoakReport:
             "rss_growth_mb": round(self.rss_growth_mb(), 2),
             "wrong_kv_tokens": self.wrong_kv_tokens,
             "pulls": self.pulls,
+            "local_turns": self.local_turns,
             "latency_p50_s": round(_median([r.ended - r.started for r in self.records if r.outcome is Outcome.OK] or [0.0]), 4),
         }
 
@@ -263,10 +266,13 @@ BRANCH_BASE = [
 async def _client(fleet: SoakFleet, settings: SoakSettings, report: SoakReport, t0: float, cid: int, stop_at: float) -> None:
     """Three kinds of client, by cid % 3: plain conversations; conversations that all name one X-Session-Id (each
     claims the others' session: the router must never hand one history's KV to another); branches of one shared
-    history, sent concurrently."""
+    history, sent concurrently. Every second group of three sends each turn through P (pull-only), the others let the
+    router continue short turns on D (decode_local), so both reuse paths run under the restarts."""
     url = fleet.url + "/v1/chat/completions"
     kind = cid % 3
     headers = {"X-Session-Id": SHARED_SESSION} if kind == 1 else {}
+    if (cid // 3) % 2 == 1:
+        headers[contracts.PATHS_HEADER] = contracts.PATHS_PULL_ONLY
     conv = 0
     async with httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout), headers=headers) as client:
         while time.monotonic() < stop_at:
@@ -323,6 +329,7 @@ async def _soak(fleet: SoakFleet, settings: SoakSettings) -> SoakReport:
     await asyncio.gather(*tasks, _restarter(fleet, settings, report, t0, stop_at), _rss(fleet, settings, report, t0, stop_at))
     report.wrong_kv_tokens = sum(u.counter("emulator_wrong_kv_tokens") for u in fleet.upstreams)
     report.pulls = sum(u.counter("nixl_xfer_count") for u in fleet.upstreams if u.name.startswith("prefill"))
+    report.local_turns = sum(u.counter("emulator_local_turns") for u in fleet.upstreams if u.name.startswith("decode"))
     return report
 
 

@@ -30,6 +30,7 @@ def test_soak_with_restarts_of_prefill_and_decode() -> None:
     assert summary["outcomes"]["ok"] > 10 * SECONDS / 60 * settings.concurrency, "the soak served a steady load"
     assert report.failures() == [], "only in-flight requests of a killed upstream may fail"
     assert summary["outcomes"][Outcome.HANG.value] == 0 and summary["outcomes"][Outcome.WRONG_ANSWER.value] == 0
-    assert report.pulls > 0, "P pulled D's blocks during the soak (reuse was exercised)"
+    assert report.pulls > 0, "P pulled D's blocks during the soak (reuse through P was exercised)"
+    assert report.local_turns > 0, "D continued turns from its own hold during the soak (decode_local was exercised)"
     assert report.wrong_kv_tokens == 0, "no history got the KV of another (shared session id, concurrent branches)"
     assert report.rss_growth_mb() < 25, f"router RSS grew {report.rss_growth_mb():.1f} MB: {report.rss_mb}"
