@@ -131,7 +131,10 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
         for sample in family.samples
     }
     queried = queried_metrics(grafana_dashboard(load_topology(EXAMPLE, str(EXAMPLE)).topology))
-    assert queried - exposed == set(), sorted(queried - exposed)
+    # P exports a link's break-even rate only once it has measured its own prefill rate on enough whole prompts
+    # (vllm_plugin/cost.py: no made-up figure before that); four turns are too few for it.
+    later = {"vllm:bpdkv_link_break_even_bytes_per_second"}
+    assert queried - exposed - later == set(), sorted(queried - exposed)
     # bpdkv logs: every instance's journal over SSH, prefixed host/instance.
     logs = bpdkv("logs", str(EXAMPLE), "-n", "20")
     assert logs.returncode == 0, logs.stderr
