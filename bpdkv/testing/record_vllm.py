@@ -156,6 +156,7 @@ class VllmCpuServer:
     threshold: int = 16
     plugin: bool = True  # False: stock vLLM (NixlConnector, no bpdkv general plugin)
     reasoning: bool = False  # True: with the `gemma4` reasoning parser (REASONING_ARGS)
+    extra: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config (bpdkv's keys, with plugin)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -180,6 +181,7 @@ class VllmCpuServer:
                     c.EXTRA_RECOMPUTE_THRESHOLD: self.threshold,
                     c.EXTRA_BLOCKS_TTL: self.ttl,
                     c.EXTRA_BACKENDS: ["UCX"],
+                    **self.extra,
                 },
             }
             if self.plugin:
