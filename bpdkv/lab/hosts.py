@@ -231,7 +231,9 @@ class TestHosts:
             if shutil.which(tool) is None and not Path(tool).exists():
                 raise TestHostsUnavailable(f"{tool} missing (apt-get install -y openssh-server iproute2 util-linux)")
         if _systemctl_replacement() is None:
-            raise TestHostsUnavailable("docker-systemctl-replacement missing (pip install docker-systemctl-replacement)")
+            raise TestHostsUnavailable(
+                "the test hosts' service manager (docker-systemctl-replacement) is missing: pip install 'bpdkv[lab]'"
+            )
 
     def start(self) -> TestHosts:
         self.check()

@@ -108,6 +108,28 @@ def test_profiles_list_and_show() -> None:
     assert missing.exit_code == 1 and "unknown profile" in missing.output
 
 
+def test_demo_without_the_lab_service_manager_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Root, but bpdkv installed without its `lab` extra: one line naming what is missing, exit 1, nothing built first."""
+    import bpdkv.demo
+    import bpdkv.lab.hosts
+
+    monkeypatch.setattr(bpdkv.demo, "can_run_locally", lambda: None)
+    monkeypatch.setattr(bpdkv.lab.hosts.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bpdkv.lab.hosts.shutil, "which", lambda tool: "/usr/bin/" + tool)
+    monkeypatch.setattr(bpdkv.lab.hosts, "_systemctl_replacement", lambda: None)
+    built: list[object] = []
+    monkeypatch.setattr(bpdkv.demo, "build_tiny_model", lambda *a: built.append(a))
+    python = tmp_path / "python"
+    python.write_text("")
+    result = CliRunner().invoke(main, ["demo", "--vllm-python", str(python)])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.output.strip().splitlines() == [
+        "the test hosts cannot start: the test hosts' service manager (docker-systemctl-replacement) is missing: pip install 'bpdkv[lab]'"
+    ]
+    assert built == []
+
+
 def test_demo_without_root_explains_and_shows_the_offline_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     import bpdkv.demo
 
