@@ -126,7 +126,7 @@ ROUTER_DEFAULTS: Final[dict[str, Any]] = {
     "expiry_margin": 10.0,
     "reuse": True,
     "backend_api_key_env": "BPDKV_BACKEND_API_KEY",
-    "workers": 1,  # or "auto" = the node's cores
+    "workers": 1,  # or "auto": 1 below 4 usable cores, else cores - 1 (router/workers.auto_workers)
     "max_body_bytes": 32 * 1024 * 1024,
     "max_json_depth": 64,
     "admin_key_file": None,

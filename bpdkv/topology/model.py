@@ -107,7 +107,7 @@ class RouterSpec:
     redis_ca_file: str | None = None
     tls_cert: str | None = None  # a path on the router node, or a secret rendered to a file
     tls_key: str | None = None
-    workers: int | str = 1  # router processes sharing the port; "auto" = the node's cores
+    workers: int | str = 1  # router processes sharing the port; "auto": 1 below 4 usable cores, else cores - 1
     paths: tuple[tuple[str, float], ...] = ()  # router config `paths` (per-turn paths), as the topology gives it
 
     @property
