@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from click.testing import CliRunner
 
-from bpdkv.bench.calibrate import calibrate, override_yaml
+from bpdkv.bench.calibrate import SizeResult, calibrate, cost_seed, override_yaml
 from bpdkv.cli import main
 from bpdkv.topology.validate import load_topology
 
@@ -98,3 +98,18 @@ def test_bad_sizes_are_one_line(fleet_factory: Any) -> None:
         main, ["calibrate", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--model", "m", "--sizes", "a,b"]
     )
     assert result.exit_code != 0 and "--sizes 'a,b'" in result.output and "Traceback" not in result.output
+
+
+def test_a_link_faster_than_the_measurement_can_tell_is_seeded_at_the_rate_nixl_measured() -> None:
+    """Pulls that cost what computing their tail costs (a fast link): the fitted slope is ~0 and its inverse would be an
+    absurd rate; the seed says the fastest rate NIXL itself measured instead."""
+    per_token = 0.001
+    sizes = [
+        # P computes the 512 - n tokens of the tail; the pull itself costs next to nothing (timing noise).
+        SizeResult(n, 512, 512 * per_token, (512 - n) * per_token + noise, n, xfer, n * 1024.0)
+        for n, xfer, noise in ((128, 0.002, 0.0004), (256, 0.003, 0.0), (384, 0.004, 0.0001))
+    ]
+    seed = cost_seed(sizes, "http://10.0.0.2:8200")
+    assert seed is not None and set(seed["links"]) == {"10.0.0.2", "*"}
+    fastest = max(r.xfer_bytes / r.xfer_s for r in sizes)
+    assert seed["links"]["*"]["bytes_per_s"] == round(fastest), seed
