@@ -177,8 +177,9 @@ def cost_seed(sizes: list[SizeResult], decode: str) -> dict[str, Any] | None:
     length (the fixed cost of a request is paid on both paths). A pull of N: what the pull request took beyond computing
     its tail — pull_s - compute_s + N × slope — fitted against the bytes NIXL moved: per-pull overhead and byte rate.
     Keyed by D's host (its NIXL side channel, where P reads from) and "*" (any other D, until P has measured it).
-    The rate is never above the fastest NIXL itself measured (bytes over P's transfer time): on a fast link the pulls
-    cost about what computing their tail does, the fitted slope is noise near zero and its inverse no rate at all."""
+    The rate is never above what NIXL itself measured (its transfer times fitted against the bytes: seconds per byte
+    past its per-transfer cost): on a fast link the pulls cost about what computing their tail does, the fitted slope
+    is noise near zero and its inverse no rate at all."""
     compute = cost.fit_line([(float(r.prompt_tokens), r.compute_s) for r in sizes])
     if compute is None or compute.slope <= 0:
         return None
@@ -186,11 +187,9 @@ def cost_seed(sizes: list[SizeResult], decode: str) -> dict[str, Any] | None:
     pulls = [(r.xfer_bytes, r.pull_s - r.compute_s + r.tokens * compute.slope) for r in sizes if r.pull_s is not None and r.xfer_bytes > 0]
     link = cost.fit_line([(b, max(t, 0.0)) for b, t in pulls])
     if link is not None and link.slope > 0:
-        rate = 1.0 / link.slope
-        measured = [r.xfer_bytes / r.xfer_s for r in sizes if r.pull_s is not None and r.xfer_bytes > 0 and r.xfer_s > 0]
-        if measured:
-            rate = min(rate, max(measured))
-        values = {"bytes_per_s": round(rate), "overhead_s": round(link.intercept, 6)}
+        nixl = cost.fit_line([(r.xfer_bytes, r.xfer_s) for r in sizes if r.pull_s is not None and r.xfer_bytes > 0 and r.xfer_s > 0])
+        slope = link.slope if nixl is None else max(link.slope, nixl.slope)
+        values = {"bytes_per_s": round(1.0 / slope), "overhead_s": round(link.intercept, 6)}
         host = urllib.parse.urlsplit(decode).hostname or "*"
         seed["links"] = {host: values, "*": values}
     return seed

@@ -102,7 +102,8 @@ def test_bad_sizes_are_one_line(fleet_factory: Any) -> None:
 
 def test_a_link_faster_than_the_measurement_can_tell_is_seeded_at_the_rate_nixl_measured() -> None:
     """Pulls that cost what computing their tail costs (a fast link): the fitted slope is ~0 and its inverse would be an
-    absurd rate; the seed says the fastest rate NIXL itself measured instead."""
+    absurd rate; the seed says the rate NIXL itself measured instead (its transfer times against the bytes: 1 ms more per
+    128 KiB, past 1 ms per transfer)."""
     per_token = 0.001
     sizes = [
         # P computes the 512 - n tokens of the tail; the pull itself costs next to nothing (timing noise).
@@ -111,5 +112,4 @@ def test_a_link_faster_than_the_measurement_can_tell_is_seeded_at_the_rate_nixl_
     ]
     seed = cost_seed(sizes, "http://10.0.0.2:8200")
     assert seed is not None and set(seed["links"]) == {"10.0.0.2", "*"}
-    fastest = max(r.xfer_bytes / r.xfer_s for r in sizes)
-    assert seed["links"]["*"]["bytes_per_s"] == round(fastest), seed
+    assert seed["links"]["*"]["bytes_per_s"] == round(128 * 1024 / 0.001), seed
