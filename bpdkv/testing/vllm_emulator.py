@@ -65,9 +65,9 @@ class EmulatorSettings:
     max_hang: float = 600.0  # bound of the "recompute" hang
     prefix_caching: bool = True  # False emulates a P whose cache was evicted between turns
     prefill_plugin: bool = False  # P runs the bpdkv connector: refuses expiring blocks, cuts pulls where tokens differ
-    # P's connector also says how many tokens it read from D (bpdkv_pulled_tokens). Off until the plugin sends it and
-    # its recorded answers (tests/data/vllm_contract) carry it: the emulator is held to those.
-    report_pulled_tokens: bool = False
+    # P's connector also says how many tokens it read from D (bpdkv_pulled_tokens), as the plugin does in its recorded
+    # answers (tests/data/vllm_contract/pd_prefill_*); False emulates a plugin from before that count.
+    report_pulled_tokens: bool = True
     max_model_len: int = 1 << 20  # tokens (here: bytes of the rendering); longer prompts get vLLM's 400
     reasoning_parser: bool = False  # vLLM's `gemma4` reasoning parser: thoughts apart from the content, reasoning_tokens
     max_num_seqs: int = 0  # engine slots: requests beyond them count as waiting in /metrics (0: unlimited)
@@ -316,7 +316,14 @@ class VllmEmulator:
             if held is not None:
                 external = min(len(held.tokens), len(tokens))
                 self.count("nixl_xfer_count")
+                pull_started = time.monotonic()
                 await asyncio.sleep(self.settings.pull_seconds_per_token * external)
+                if self.settings.relative_expiry:  # the bpdkv plugin on D measures the link to P on every pull
+                    link = f"{params.get(contracts.REMOTE_HOST)}:{params.get(contracts.REMOTE_PORT)}"
+                    now = time.monotonic()
+                    self.book.observe_pull(
+                        link, str(params.get(contracts.REMOTE_ENGINE_ID)), external * BYTES_PER_TOKEN, now - pull_started, now
+                    )
                 if held.tokens[:external] != tokens[:external]:
                     poisoned_by = held.tokens[:external]
             else:
@@ -350,6 +357,10 @@ class VllmEmulator:
                 out_params = self._hold_for_next_turn(tokens, output, salt)
                 if params.get(contracts.LOCAL_TURN):
                     out_params[contracts.LOCAL_CACHED_TOKENS] = cached
+                fit = self.book.link(f"{params.get(contracts.REMOTE_HOST)}:{params.get(contracts.REMOTE_PORT)}").estimate.fit
+                if self.settings.relative_expiry and params.get(contracts.REMOTE_HOST) and fit is not None and fit.slope > 0:
+                    # What D measured of the link to that P (from its second pull on: the first paid the handshake).
+                    out_params[contracts.LINK_ESTIMATE] = {"bytes_per_s": round(1.0 / fit.slope), "overhead_s": round(fit.intercept, 6)}
         text = bytes(output).decode(errors="replace")
         stream = _lax_bool(body.get("stream"))
         reasoning: str | None = None

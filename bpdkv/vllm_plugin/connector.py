@@ -298,6 +298,9 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._pins_in_flight: dict[str, tuple[fence.PendingPin, int]] = {}  # request id → (pin, verified tokens)
         self._leases: dict[str, tuple[float, float]] = {}  # request id → (post the READ by, lease end), P's clock
         self._pulling: dict[str, dict[str, Any]] = {}  # request id → its params, stripped once the read is over
+        # P: tokens it reads from D (posted), then read (0 if the read failed): its answer says so (contracts.PULLED_TOKENS)
+        self._reading: dict[str, int] = {}
+        self._read: dict[str, int] = {}
         self._fence_reported: dict[str, int] = {}
         self._fence_releases = 0  # D: holds let go on P's release (fence thread)
         self._read_leases: dict[str, tuple[float, float]] = {}  # worker: what the scheduler sent
@@ -600,6 +603,8 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         params: Any = getattr(request, "kv_transfer_params", None)
         if isinstance(params, dict) and params.get(contracts.LOCAL_TURN):
             self._track_local_turn(request, params)
+        if num_external_tokens > 0 and rid in self._pulling:
+            self._reading[rid] = num_external_tokens  # P reads these from D's blocks
         if num_external_tokens > 0 and isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and rid not in self._pulls:
             # D pulling P's blocks: the same link, measured every turn; D's answer carries its estimate for P.
             nbytes = num_external_tokens / self._block_size * self._bytes_per_block
@@ -630,10 +635,15 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
     def _annotate(self, request: Any, result: Any, block_ids: Any) -> Any:
         delay, params = result
         incoming: Any = getattr(request, "kv_transfer_params", None)
+        read = self._read.pop(request.request_id, 0)
+        self._reading.pop(request.request_id, None)  # a read that never finished (request aborted) read nothing
         if isinstance(params, dict) and params.get("do_remote_prefill") and isinstance(incoming, dict):
             outcome = incoming.get(hold.PULL_OUTCOME_KEY)  # P: what became of the D blocks offered to this request
             if outcome:
                 params[hold.PULL_OUTCOME_KEY] = outcome
+                # What P really read of them: 0 when its own prefix cache covered them, the read was under the
+                # threshold (upstream only notifies D), declined or failed. The router counts a hit only if > 0.
+                params[contracts.PULLED_TOKENS] = read
         if not (isinstance(params, dict) and params.get("do_remote_decode") and params.get("remote_block_ids")):
             return delay, params
         if delay and isinstance(incoming, dict) and incoming.get(hold.HOLD_KEY) is False:
@@ -815,6 +825,9 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         now = time.monotonic()
         for rid in getattr(connector_output, "finished_recving", None) or ():
+            reading = self._reading.pop(rid, None)
+            if reading is not None:
+                self._read[rid] = 0 if rid in failed else reading
             if rid in failed:
                 self._pull_failed(rid)
             else:

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bpdkv import contracts
 from bpdkv.bench.runner import metric_value
 from bpdkv.sse import read_stream
 from tests.e2e.pd_client import QUESTIONS, TEMPLATE, metric, sse, turn
@@ -187,6 +188,8 @@ def test_token_id_completions_pull_fully(pd: Any, reference: dict[str, Any]) -> 
         d_params = data["kv_transfer_params"]
         pulled.append(metric(p.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - before)
         assert new == reference["tokens"][i]
+        # P's answer says what it read of D's blocks, vLLM's own count (turn 1: no blocks offered, no count)
+        assert p_params.get(contracts.PULLED_TOKENS) == (pulled[-1] if i else None), (i, p_params, pulled)
         prompt = prompt + new + [11, 12, 13, 14, 15, 16, 17, 18]
     MEASURED["tokens_pulled_per_turn"] = pulled
     # token ids re-sent verbatim: every full block D holds is verified and pulled
@@ -432,6 +435,7 @@ def test_fence_refuses_a_pull_of_blocks_released_before_it(pd: Any, hold_d: Any,
     assert p_answer.get("bpdkv_pull_outcome") == "released", p_answer  # the router learns it
     assert after["p_refused"] == before["p_refused"] + 1 and after["p_granted"] == before["p_granted"]
     assert after["p_external"] == before["p_external"]  # nothing was read
+    assert p_answer.get(contracts.PULLED_TOKENS) == 0, p_answer  # and P says so: the router counts no hit
     assert after["d_pins_refused"] > before["d_pins_refused"]
     assert after["d_reads_after_free"] == before["d_reads_after_free"] == 0
 

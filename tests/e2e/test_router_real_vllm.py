@@ -252,6 +252,27 @@ def test_reasoning_dropped_by_the_client_is_a_partial_hit_cut_by_the_connector(f
         messages += [got["message"], {"role": "user", "content": "Think again: and the prefill node?"}]
 
 
+def test_a_turn_p_reads_nothing_for_is_a_miss_not_a_hit(fleet: Fleet) -> None:
+    """P's own prefix cache covers every whole block D offers (turn 1 answered in one token, so D's KV is the prompt P
+    has just computed): P reads nothing of D's, says so (`bpdkv_pulled_tokens` 0), and the router counts a miss — a hit
+    only when P really read D's blocks (before the count it took the lookup's prediction, a hit)."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "In one word: which node decodes?"},
+    ]
+    first = ask(fleet.url, messages, False, max_tokens=1)  # P's cache on: it keeps the prompt's blocks
+    messages += [first["message"], {"role": "user", "content": "and which one prefills?"}]
+    outcomes = ("hit", "partial", "miss")
+    before = {o: fleet.router_metric("bpdkv_router_reuse_total", outcome=o) for o in outcomes}
+    pulled = fleet.pulled()
+    got = ask(fleet.url, messages, False, return_token_ids=True)
+    want = ask(fleet.ref.url, messages, False, return_token_ids=True)
+    assert seen(got) == seen(want) and got["output_ids"] == want["output_ids"], (got, want)
+    assert fleet.pulled() == pulled, "P read D's blocks: its own cache should have covered them"
+    delta = {o: fleet.router_metric("bpdkv_router_reuse_total", outcome=o) - before[o] for o in outcomes}
+    assert delta == {"hit": 0, "partial": 0, "miss": 1}, (delta, fleet.decisions())
+
+
 def test_decode_restart_between_turns_is_invisible_to_the_client(fleet: Fleet) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},

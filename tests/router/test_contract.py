@@ -180,6 +180,10 @@ def test_prefill_decode_contract(prefix: str) -> None:
         "short": VllmEmulator(EmulatorSettings(decoder_kv_blocks_ttl=1.0, **d_common)),  # type: ignore[arg-type]
         "dying": VllmEmulator(EmulatorSettings(**d_common)),  # type: ignore[arg-type]
     }
+    # The three stand for the one D of the recording: one D's knowledge of its link to P (its pulls of P's blocks, which
+    # its answers report from the second pull on: contracts.LINK_ESTIMATE).
+    for d in decodes.values():
+        d.book = decodes["main"].book
     group = ServerGroup([prefill.app, *(d.app for d in decodes.values())])
     p_url, *d_urls = group.start()
     d_url = dict(zip(decodes, d_urls, strict=True))
