@@ -23,6 +23,7 @@ from bpdkv.lab import CACHE_DIR
 
 BASE = CACHE_DIR / "lab"  # root-owned and not world-writable: sshd StrictModes accepts it
 BRIDGE = "bpdkv-br0"
+BRIDGE_MAC = "02:62:70:64:00:fe"  # the hosts' eth0 are 02:62:70:64:00:<n>
 NET = "10.213.0"
 # Paths a deploy writes; each host gets its own copy (bind mounts), so hosts really differ.
 PER_HOST_DIRS = ("/etc/bpdkv", "/opt/bpdkv", "/etc/systemd/system", "/var/lib/bpdkv", "/var/log")
@@ -252,7 +253,10 @@ class TestHosts:
         for name in ("systemctl", "journalctl"):
             (self.base / name).chmod(0o755)
         self.known_hosts.write_text("")
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        # A set MAC: a bridge otherwise takes its lowest port's, so a host going away (its veth removed) or coming back
+        # could change this machine's MAC on the test network, and every other host would send to a MAC nobody owns
+        # until its ARP entry aged out (up to a minute of silence: SSH keepalives failing on hosts nobody touched).
+        _run(["ip", "link", "add", BRIDGE, "address", BRIDGE_MAC, "type", "bridge"])
         _run(["ip", "addr", "add", f"{NET}.1/24", "dev", BRIDGE])
         _run(["ip", "link", "set", BRIDGE, "up"])
         _run(["ip", "route", "add", "unreachable", f"{NET}.0/24", "metric", "4000"])
