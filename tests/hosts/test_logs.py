@@ -42,6 +42,7 @@ def test_logs_merges_every_instance_filters_follows_and_reports_a_dead_host(host
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env=dict(os.environ, PYTHONFAULTHANDLER="1"),  # SIGABRT dumps every thread's stack: where a slow exit waits
     )
     try:
         time.sleep(2)  # the first read (nothing printed with -n 0) is done
@@ -56,7 +57,15 @@ def test_logs_merges_every_instance_filters_follows_and_reports_a_dead_host(host
         assert seen.count("\n") == 1 and "host1/prefill-0: fake_vllm listening on 8100" in seen, seen
     finally:
         os.killpg(follow.pid, signal.SIGINT)
-        assert follow.wait(15) == 0
+        try:
+            code = follow.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(follow.pid, signal.SIGABRT)
+            follow.wait(10)
+            pytest.fail(
+                f"bpdkv logs -f still running 15 s after SIGINT; its threads:\n{follow.stderr.read()[-8000:] if follow.stderr else ''}"
+            )
+        assert code == 0
 
     hosts.kill_host(hosts.hosts[1])
     try:
