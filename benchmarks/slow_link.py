@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, Any] = {}
             # reuse off, then calibrate on the same servers: the seed the fleet gets from `bpdkv calibrate`
             # (threshold rule on P: reuse off offers P nothing, and calibrate must really pull every size it measures)
-            p, d = start_pair(lab, logs, f"{rate}-off", {"bpdkv_pull_decision": "threshold"})
+            p, d = start_pair(lab, logs, f"{rate}-off", {contracts.EXTRA_PULL_DECISION: contracts.PULL_DECISION_THRESHOLD})
             try:
                 rows = run_workload(p.url, d.url, False, args)
                 results["off"] = {"rows": rows, "p": p_metrics(p.url)}
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 d.stop()
             runs = [("on", {"bpdkv_cost_seed": seed} if seed else {})]
             if rate == "unthrottled":
-                runs.append(("on_threshold", {"bpdkv_pull_decision": "threshold"}))
+                runs.append(("on_threshold", {contracts.EXTRA_PULL_DECISION: contracts.PULL_DECISION_THRESHOLD}))
             for name, extra in runs:
                 p, d = start_pair(lab, logs, f"{rate}-{name}", extra)
                 try:

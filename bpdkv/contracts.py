@@ -87,6 +87,7 @@ EXTRA_BLOCKS_TTL: Final = "decoder_kv_blocks_ttl"  # seconds D keeps a finished 
 EXTRA_RECOMPUTE_THRESHOLD: Final = "kv_recompute_threshold"  # fewer tokens than this to pull: P computes them
 EXTRA_UNVERIFIED_REUSE: Final = "unverified_reuse"  # bpdkv's: "refuse" | "allow" a pull from a D that sent no digests
 EXTRA_HOLD_BUDGET: Final = "bpdkv_hold_budget"  # bpdkv's: share of D's KV cache blocks finished requests may hold, (0, 1]
+EXTRA_PULL_DECISION: Final = "bpdkv_pull_decision"  # bpdkv's (P): PULL_DECISIONS (topology kv_transfer.pull_decision)
 EXTRA_COST_SEED: Final = (
     "bpdkv_cost_seed"  # bpdkv's (P): its cost model's seed from `bpdkv calibrate` (topology kv_transfer.pull_cost_seed)
 )
@@ -95,6 +96,12 @@ DEFAULT_LEASE_DURATION: Final = 30
 DEFAULT_BLOCKS_TTL: Final = 480
 DEFAULT_RECOMPUTE_THRESHOLD: Final = 64
 DEFAULT_UNVERIFIED_REUSE: Final = "refuse"
+# P's pull-or-recompute rule: "cost" pulls only where the pull is predicted faster than computing the same tokens
+# (bpdkv/vllm_plugin/cost.py); "threshold" is upstream's rule, pull whenever kv_recompute_threshold tokens or more match.
+PULL_DECISION_COST: Final = "cost"
+PULL_DECISION_THRESHOLD: Final = "threshold"
+PULL_DECISIONS: Final = (PULL_DECISION_COST, PULL_DECISION_THRESHOLD)
+DEFAULT_PULL_DECISION: Final = PULL_DECISION_COST
 # Why the default budget is a half (benchmarks/results/gpu-h200x2/session3/README.md): D must keep room for its
 # live decodes (their KV grows every step) and for the next turns' prefills it pulls from P; held blocks beyond a
 # half only raise reuse hits for conversations idle long enough that P's own cache covers most of them.

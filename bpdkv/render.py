@@ -80,6 +80,8 @@ def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> di
             extra[contracts.EXTRA_HOLD_BUDGET] = instance.kv_hold_budget
         if instance.role == "prefill" and kv.pull_cost_seed:
             extra[contracts.EXTRA_COST_SEED] = kv.pull_cost_seed
+        if instance.role == "prefill" and kv.pull_decision is not None:  # unset: the plugin's own default
+            extra[contracts.EXTRA_PULL_DECISION] = kv.pull_decision
     return config
 
 

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from bpdkv import contracts
 from bpdkv.secret_refs import plaintext_secret_findings
 from bpdkv.topology.capacity import capacity_problems
 from bpdkv.topology.hostnames import host_problem, jump_host_problem, shown, user_problem
@@ -334,6 +335,24 @@ def hold_budget(t: Topology) -> Iterator[Problem]:
             )
     if t.kv_transfer.connector != "bpdkv" and any(i.kv_hold_budget is not None for _, i in t.instances("decode")):
         yield Problem(("kv_transfer", "connector"), "kv_hold_budget needs bpdkv's connector (kv_transfer.connector: bpdkv)")
+
+
+@rule
+def pull_decision(t: Topology) -> Iterator[Problem]:
+    """P's cost model is bpdkv's connector's: upstream's connector would ignore its settings (it pulls by token count)."""
+    kv = t.kv_transfer
+    for key, value in (("pull_decision", kv.pull_decision), ("pull_cost_seed", kv.pull_cost_seed)):
+        if value is not None and kv.connector != "bpdkv":
+            yield Problem(
+                ("kv_transfer", key),
+                f"{key} needs bpdkv's connector (kv_transfer.connector: bpdkv); upstream's always pulls by kv_recompute_threshold",
+            )
+    if kv.connector == "bpdkv" and kv.pull_decision == contracts.PULL_DECISION_THRESHOLD and kv.pull_cost_seed:
+        yield Problem(
+            ("kv_transfer", "pull_cost_seed"),
+            "pull_cost_seed is unused with pull_decision: threshold (P pulls by token count); remove one of them",
+            "warning",
+        )
 
 
 @rule

@@ -88,6 +88,7 @@ class KvTransferSpec:
     side_channel_base_port: int
     unverified_reuse: str
     pull_cost_seed: dict[str, Any] | None = None  # bpdkv calibrate's seed of P's cost model (rendered for prefill instances)
+    pull_decision: str | None = None  # contracts.PULL_DECISIONS; None: the plugin's default (contracts.DEFAULT_PULL_DECISION)
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         side_channel_base_port=int(k.get("side_channel_base_port", DEFAULT_SIDE_CHANNEL_BASE_PORT)),
         unverified_reuse=k.get("unverified_reuse", contracts.DEFAULT_UNVERIFIED_REUSE),
         pull_cost_seed=k.get("pull_cost_seed"),
+        pull_decision=k.get("pull_decision"),
     )
     r = doc.get("router", {})
     margin = int(r.get("ttl_margin", 10))

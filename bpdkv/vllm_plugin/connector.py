@@ -307,9 +307,9 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if worker is not None and not fence.guard_reads(worker, self._read_leases):
             log.warning("bpdkv fence: this vLLM's NIXL worker lacks the read hooks; leases are not checked at read time")
         # P's cost model (cost.py): pull only where the pull is predicted faster than computing the same tokens.
-        self._decision_mode = str(extra.get(cost.DECISION_KEY, "cost"))
-        if self._decision_mode not in ("cost", "threshold"):
-            raise ValueError(f"{cost.DECISION_KEY} must be cost or threshold, got {self._decision_mode!r}")
+        self._decision_mode = str(extra.get(cost.DECISION_KEY, contracts.DEFAULT_PULL_DECISION))
+        if self._decision_mode not in contracts.PULL_DECISIONS:
+            raise ValueError(f"{cost.DECISION_KEY} must be one of {', '.join(contracts.PULL_DECISIONS)}, got {self._decision_mode!r}")
         self._book = cost.Book.from_config(extra)
         kv_cache_config = getattr(self, "_kv_cache_config", None) or next((a for a in args if hasattr(a, "kv_cache_groups")), None)
         self._bytes_per_block = _bytes_per_block(vllm_config, kv_cache_config, self._block_size)
@@ -404,7 +404,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         key = _link_key(params)
         now = time.monotonic()
         req = cost.Request(offered, self._block_size, self._bytes_per_block, self._recompute_threshold)
-        if self._decision_mode == "threshold" or params.get(contracts.PULL_ALWAYS):
+        if self._decision_mode == contracts.PULL_DECISION_THRESHOLD or params.get(contracts.PULL_ALWAYS):
             link = self._book.link(key).estimate.fit
             predicted = link.at(offered / self._block_size * self._bytes_per_block) if link else None
             reason = cost.Reason.ASKED if params.get(contracts.PULL_ALWAYS) else cost.Reason.THRESHOLD_ONLY

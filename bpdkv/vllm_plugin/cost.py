@@ -39,7 +39,7 @@ from typing import Any
 from bpdkv import contracts
 
 # kv_connector_extra_config keys (P)
-DECISION_KEY = "bpdkv_pull_decision"  # "cost" (default) | "threshold" (upstream's token-count rule only)
+DECISION_KEY = contracts.EXTRA_PULL_DECISION  # contracts.PULL_DECISIONS; "threshold": upstream's token-count rule only
 MARGIN_KEY = "bpdkv_pull_margin"  # pull only when predicted at most (1 - margin) of the recompute time
 SEED_KEY = contracts.EXTRA_COST_SEED  # {"prefill_tokens_per_s": x, "links": {"<D host>" | "*": {"bytes_per_s": r, "overhead_s": a}}}
 PROBE_INTERVAL_KEY = "bpdkv_probe_interval"  # seconds between probes of a link predicted slower (first interval)

@@ -131,7 +131,9 @@ def pd(server_factory: Any, reference: dict[str, Any]) -> Any:
     # computes about as fast as loopback moves its KV, so the cost model (tests/e2e/test_slow_link.py) would pull or
     # not by a coin toss.
     p, d = server_factory(
-        ("prefill", "kv_producer"), ("decode", "kv_consumer"), extra={"bpdkv_test_hooks": True, "bpdkv_pull_decision": "threshold"}
+        ("prefill", "kv_producer"),
+        ("decode", "kv_consumer"),
+        extra={"bpdkv_test_hooks": True, contracts.EXTRA_PULL_DECISION: contracts.PULL_DECISION_THRESHOLD},
     )
     MEASURED["start_s_prefill"] = round(p.ready_after or 0, 1)
     MEASURED["start_s_decode"] = round(d.ready_after or 0, 1)

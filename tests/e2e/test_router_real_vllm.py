@@ -36,7 +36,6 @@ from bpdkv.testing.record_vllm import (
     forced_tool_calls,
 )
 from bpdkv.testing.vllm_emulator import ServerGroup
-from bpdkv.vllm_plugin import cost
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CHAT = "/v1/chat/completions"
@@ -84,7 +83,14 @@ def fleet(tiny_model: Path) -> Iterator[Fleet]:
         # machine the tiny model computes about as fast as loopback moves its KV, so the cost model would pull, probe or
         # recompute by a coin toss (CI saw a one-block probe where the cut was asserted); tests/e2e/test_slow_link.py
         # tests the cost model on a link where it decides something.
-        p = VllmCpuServer("prefill", logs, "kv_producer", template, reasoning=True, extra={cost.DECISION_KEY: "threshold"})
+        p = VllmCpuServer(
+            "prefill",
+            logs,
+            "kv_producer",
+            template,
+            reasoning=True,
+            extra={contracts.EXTRA_PULL_DECISION: contracts.PULL_DECISION_THRESHOLD},
+        )
         d = VllmCpuServer("decode", logs, "kv_consumer", template, reasoning=True)
         ref = VllmCpuServer("reference", logs, None, template, reasoning=True)
         group: ServerGroup | None = None

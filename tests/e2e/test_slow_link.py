@@ -201,7 +201,10 @@ def test_pull_only_where_it_pays_and_adapt_to_the_link(pd: tuple[Any, Any], refe
         assert by[n]["pulled"] == 0 and by[n]["bytes"] == 0, rows  # no NIXL bytes
         assert by[n]["outcome"] == contracts.PULL_LINK_SLOWER, rows  # the router learns it
         assert by[n]["d_declined"] == 1, rows  # D let the hold go at once (fence release), not at its TTL
-        assert by[n]["p_s"] < by[5]["p_s"] / 2, rows
+        # Computing beats the pull it replaced (the history only grew since turn 5's pull, so that pull would be slower
+        # still). Not 2x: a loaded 2-core CI machine computed turn 7 in 1.10 s against a 2.15 s pull. A slower throttle
+        # (2mbit) would widen the gap but moves when D sees the link recover, and with it the probe turn asserted below.
+        assert by[n]["p_s"] < 0.75 * by[5]["p_s"], rows
     # Unthrottled again: D's last pull of P's blocks was still throttled (turn 8 computed, no probe); D sees the link
     # fast on turn 8, so turn 9 probes (a prefix), finds it fast, and turn 10 pulls everything again.
     recovered = THROTTLED_UNTIL + 1

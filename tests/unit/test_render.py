@@ -231,3 +231,30 @@ def test_efa_hardware_renders_libfabric_and_fi_env() -> None:
     assert "FI_PROVIDER=efa" in arts["/etc/bpdkv/decode-1.env"]
     assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in arts["/etc/bpdkv/decode-1.env"]
     assert "LimitMEMLOCK=infinity" in arts["/etc/systemd/system/bpdkv-decode-1.service"]
+
+
+def test_pull_decision_rendered_for_prefill_only_when_set(tmp_path: Path) -> None:
+    """kv_transfer.pull_decision reaches P's connector config (and only P's); unset, the plugin's default applies; a
+    cost seed beside `threshold` would be unused: a warning naming it."""
+    from bpdkv import contracts
+
+    source = (ROOT / "examples" / "local-cpu.yaml").read_text()
+    assert "  pull_decision: threshold\n" in source  # the lab pins it (the example says why)
+
+    def extra(text: str, instance: str) -> dict[str, object]:
+        path = tmp_path / "t.yaml"
+        path.write_text(text)
+        script = next(a.content for a in render_topology(load_topology(path).topology) if a.path == f"/opt/bpdkv/bin/{instance}.sh")
+        config = json.loads(script.split("--kv-transfer-config '", 1)[1].split("'", 1)[0])
+        return config["kv_connector_extra_config"]
+
+    assert extra(source, "prefill-0")[contracts.EXTRA_PULL_DECISION] == contracts.PULL_DECISION_THRESHOLD
+    assert contracts.EXTRA_PULL_DECISION not in extra(source, "decode-0")
+    assert contracts.EXTRA_PULL_DECISION not in extra(source.replace("  pull_decision: threshold\n", ""), "prefill-0")
+    explicit = source.replace("pull_decision: threshold", "pull_decision: cost")
+    assert extra(explicit, "prefill-0")[contracts.EXTRA_PULL_DECISION] == contracts.PULL_DECISION_COST
+
+    seeded = source.replace("  pull_decision: threshold\n", "  pull_decision: threshold\n  pull_cost_seed: {prefill_tokens_per_s: 5000}\n")
+    (tmp_path / "s.yaml").write_text(seeded)
+    warnings = [d.message for d in load_topology(tmp_path / "s.yaml").warnings]
+    assert any("pull_cost_seed is unused with pull_decision: threshold" in w for w in warnings), warnings
