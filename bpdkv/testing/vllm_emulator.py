@@ -489,7 +489,8 @@ class VllmEmulator:
         started = time.monotonic()
         await asyncio.sleep(seconds)
         if plugin:
-            self.book.observe_pull(link, decode.engine_id, n * BYTES_PER_TOKEN, time.monotonic() - started, time.monotonic())
+            probe = choice.outcome is cost.Outcome.PROBE
+            self.book.observe_pull(link, decode.engine_id, n * BYTES_PER_TOKEN, time.monotonic() - started, time.monotonic(), probe)
         theirs = held.tokens[: cached + n]
         if theirs != tokens[: cached + n]:
             bad = sum(1 for a, b in zip(theirs[cached:], tokens[cached : cached + n], strict=False) if a != b)

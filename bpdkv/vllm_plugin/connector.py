@@ -121,6 +121,7 @@ class _Pull:
     nbytes: float
     predicted: float | None
     started: float  # P's monotonic clock at the decision
+    probe: bool = False  # cost.Outcome.PROBE
 
 
 def _link_key(params: dict[str, Any]) -> str:
@@ -420,7 +421,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             params[hold.PULL_OUTCOME_KEY] = choice.outcome.value
         nbytes = choice.tokens / self._block_size * self._bytes_per_block
         engine = str(params.get(contracts.REMOTE_ENGINE_ID))
-        self._pulls[rid] = _Pull(key, engine, nbytes, choice.predicted_pull_s, now)
+        self._pulls[rid] = _Pull(key, engine, nbytes, choice.predicted_pull_s, now, choice.outcome is cost.Outcome.PROBE)
         return choice
 
     def _decline(self, params: dict[str, Any], choice: cost.Choice) -> None:
@@ -446,7 +447,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if pull is None:
             return
         seconds = now - pull.started
-        predicted, mispredicted = self._book.observe_pull(pull.link, pull.engine, pull.nbytes, seconds, now)
+        predicted, mispredicted = self._book.observe_pull(pull.link, pull.engine, pull.nbytes, seconds, now, pull.probe)
         data = self._stats.data
         data.setdefault(f"bpdkv_pull_seconds|{pull.link}", []).append(seconds)
         data.setdefault(f"bpdkv_pulls_measured|{pull.link}", []).append(1)

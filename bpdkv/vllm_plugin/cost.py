@@ -20,6 +20,11 @@ The model, per request, after the digest check (bpdkv/vllm_plugin/decide.py) has
   request's recompute time, at least PROBE_MIN_BUDGET_S, never more than PROBE_MAX_S) and computes the rest. A probe
   much faster than predicted resets the link's estimate to it (optimistic: the prior overhead counts only up to 90 %
   of the probe), so the next request pulls in full and measures the recovered link properly.
+- A short probe cannot tell a slow link from a fixed per-pull cost (a CI run: one block took 0.20 s right after a
+  throttle was lifted, the slow estimate predicted 0.13 s, so nothing was learnt and every later probe was the same
+  block). A probe that did not find the link recovered sizes the next one to tell: the shortest prefix the estimate
+  predicts at PROBE_TELL × that probe's time (still within PROBE_MAX_S of extra cost). If that one is slow too, the
+  link is slow for P's pulls whatever D measures: D's estimate stops triggering probes until the next interval.
 - A pull much slower than predicted (SURPRISE×), a failed read or a lapsed pin replaces the link's window with that
   sample at once: the next decision sees it.
 - D measures the same link every turn when it pulls P's blocks, and says what it measured on its answer
@@ -54,6 +59,7 @@ PROBE_INTERVAL_MAX = 480.0
 PROBE_SHARE = 0.1
 PROBE_MIN_BUDGET_S = 0.02
 PROBE_MAX_S = 1.0
+PROBE_TELL = 2 * SURPRISE  # a probe after an inconclusive one: predicted (slow) at this many times that one's seconds
 # The pin lease P asks for: headroom × predicted + slack, within [floor, ceiling].
 LEASE_HEADROOM = 2.0
 LEASE_SLACK_S = 1.0
@@ -179,6 +185,10 @@ class Link:
     next_probe: float | None = None  # not before this; None: one interval after the link's first decision
     probe_interval: float = PROBE_INTERVAL
     warned_at: float = -math.inf
+    # The time of a probe that did not find the link recovered (a slow link or a fixed cost that large): the next probe
+    # is sized to tell them apart. None: no such probe pending.
+    probe_floor_s: float | None = None
+    hints_ignored_until: float = -math.inf  # a probe sized to tell was slow: D's estimate does not trigger probes
     slow: bool = False  # below break-even at the last look
     pulls: int = 0
     mispredicted: int = 0
@@ -234,8 +244,10 @@ def choose(
     margin: float = DEFAULT_MARGIN,
     lease_ceiling: float = DEFAULT_LEASE_MAX_S,
     probe_due: bool = False,
+    probe_floor_s: float | None = None,
 ) -> Choice:
-    """How many of the offered tokens to pull. `link`: seconds against bytes; `compute`: seconds against tokens."""
+    """How many of the offered tokens to pull. `link`: seconds against bytes; `compute`: seconds against tokens.
+    `probe_floor_s`: Link.probe_floor_s (a probe is sized to tell a slow link from a fixed cost that large)."""
     bs = req.block_size
     n = req.tokens - req.tokens % bs if bs > 0 else 0
     if req.tokens <= 0 or n <= 0 or (req.threshold > 0 and n < req.threshold):
@@ -264,15 +276,18 @@ def choose(
             return Choice(Outcome.PARTIAL, Reason.LEASE_CEILING, k, pull(k), k * spt)
         return Choice(Outcome.RECOMPUTED, Reason.LEASE_CEILING, 0, pull(n), n * spt)
     if probe_due:
-        k = probe_tokens(req, link, spt, n)
+        k = probe_tokens(req, link, spt, n, probe_floor_s)
         if k:
             return Choice(Outcome.PROBE, Reason.PROBE_DUE, k, pull(k), k * spt)
     return Choice(Outcome.RECOMPUTED, Reason.LINK_SLOWER, 0, pull(n), n * spt)
 
 
-def probe_tokens(req: Request, link: Fit, spt: float, n: int) -> int:
+def probe_tokens(req: Request, link: Fit, spt: float, n: int, floor_s: float | None = None) -> int:
     """The longest whole-block prefix (at least one block and the threshold) whose predicted extra cost over computing
-    it stays within the probe budget; 0 when even the shortest would cost more than PROBE_MAX_S."""
+    it stays within the probe budget; 0 when even the shortest would cost more than PROBE_MAX_S. After a probe that
+    took `floor_s` and did not find the link recovered: at least the shortest prefix predicted to take PROBE_TELL ×
+    floor_s (a fixed cost that large is then told from a slow link), as long as its extra cost stays within
+    PROBE_MAX_S."""
     bs = req.block_size
     floor = max(req.threshold, bs)
     floor += (-floor) % bs
@@ -289,6 +304,11 @@ def probe_tokens(req: Request, link: Fit, spt: float, n: int) -> int:
     k = floor
     if per_token > 0:
         k = max(k, int((budget - link.intercept) / per_token))
+        if floor_s is not None and link.slope > 0:
+            tell_bytes = max(PROBE_TELL * floor_s - link.intercept, 0.0) / link.slope
+            tell = math.ceil(tell_bytes / req.bytes_per_block) * bs if req.bytes_per_block > 0 else n
+            within = int((PROBE_MAX_S - link.intercept) / per_token)  # extra(within) <= PROBE_MAX_S
+            k = max(k, min(tell, within))
     else:
         k = n
     k = min(k - k % bs, n)
@@ -375,12 +395,12 @@ class Book:
         if hint is not None and choice.reason is Reason.LINK_SLOWER and choice.predicted_pull_s:
             offered = choice_bytes(req)
             if hint.at(offered) * SURPRISE < choice.predicted_pull_s:
-                probe_due = True
+                probe_due = probe_due or now >= link.hints_ignored_until
             else:
                 probe_due = False
                 link.next_probe = max(link.next_probe, now + link.probe_interval)
         if choice.reason is Reason.LINK_SLOWER and probe_due:
-            choice = choose(req, link.estimate.fit, self.compute.fit, self.margin, self.lease_ceiling, True)
+            choice = choose(req, link.estimate.fit, self.compute.fit, self.margin, self.lease_ceiling, True, link.probe_floor_s)
         if choice.outcome is Outcome.PROBE:
             link.next_probe = now + link.probe_interval
             link.probe_interval = min(link.probe_interval * 2, max(PROBE_INTERVAL_MAX, self.probe_interval))
@@ -388,9 +408,12 @@ class Book:
             link.next_probe = now + link.probe_interval  # no probe fitted this request: not before the interval
         return choice
 
-    def observe_pull(self, key: str, engine: str, nbytes: float, seconds: float, now: float) -> tuple[float | None, bool]:
-        """A pull finished. Returns (what was predicted, mispredicted). The first pull from an engine also paid the
-        NIXL handshake: counted, not fitted (the next pull from that link, with no estimate yet, measures it)."""
+    def observe_pull(
+        self, key: str, engine: str, nbytes: float, seconds: float, now: float, probe: bool = False
+    ) -> tuple[float | None, bool]:
+        """A pull finished (`probe`: it was a probe, Outcome.PROBE). Returns (what was predicted, mispredicted). The
+        first pull from an engine also paid the NIXL handshake: counted, not fitted (the next pull from that link, with
+        no estimate yet, measures it)."""
         link = self.link(key)
         link.pulls += 1
         first = engine not in link.engines
@@ -398,9 +421,18 @@ class Book:
         if first:
             return link.estimate.predict(nbytes), False
         predicted = link.estimate.observe(nbytes, seconds)
-        if predicted is not None and seconds * SURPRISE < predicted:
+        recovered = predicted is not None and seconds * SURPRISE < predicted
+        if recovered:
             link.probe_interval = self.probe_interval  # recovered: probe again at the first pace if it slows
             link.next_probe = now
+        if not probe or recovered:
+            link.probe_floor_s = None
+        elif predicted is not None and link.probe_floor_s is None:
+            link.probe_floor_s = seconds  # inconclusive: a slow link, or a fixed cost this large; the next probe tells
+        elif predicted is not None:
+            # A probe sized to tell was slow too: the link is slow for P's pulls, whatever D measures of it.
+            link.probe_floor_s = None
+            link.hints_ignored_until = now + link.probe_interval
         mispredicted = predicted is not None and seconds > SURPRISE * predicted
         if mispredicted:
             link.mispredicted += 1

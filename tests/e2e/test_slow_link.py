@@ -5,7 +5,8 @@ through every phase.
 - unthrottled: P pulls D's KV (and, once it has measured the link, because the pull is predicted faster);
 - throttled mid-conversation: the next pull is much slower than predicted, the estimate follows at once, and the turns
   after it are computed on P (the decision counter moves, no NIXL bytes, D's hold is let go at once);
-- throttle removed: a probe finds the link fast again and reuse resumes;
+- throttle removed: a probe finds the link fast again (a second, longer one when the first cannot tell) and reuse
+  resumes;
 - every turn equals a single plain server's output token for token.
 """
 
@@ -34,7 +35,7 @@ TEMPLATE = contracts.prefill_template()
 START = [(i * 41) % 1900 + 10 for i in range(420)]
 OUTPUT = 12
 SUFFIX = [21, 22, 23, 24, 25, 26, 27, 28]
-TURNS = 10
+TURNS = 11
 THROTTLE = "4mbit"  # 500 kB/s: the ~1 MB history takes ~2 s to pull; P computes it in ~0.5 s
 PROBE_INTERVAL = 8.0  # seconds (the default is 30 s): longer than the throttled turns take, short enough to wait for
 # Phases by turn (1-based): 1-4 unthrottled, throttle before turn 5, removed before turn 8.
@@ -206,12 +207,18 @@ def test_pull_only_where_it_pays_and_adapt_to_the_link(pd: tuple[Any, Any], refe
         # (2mbit) would widen the gap but moves when D sees the link recover, and with it the probe turn asserted below.
         assert by[n]["p_s"] < 0.75 * by[5]["p_s"], rows
     # Unthrottled again: D's last pull of P's blocks was still throttled (turn 8 computed, no probe); D sees the link
-    # fast on turn 8, so turn 9 probes (a prefix), finds it fast, and turn 10 pulls everything again.
+    # fast on turn 8, so turn 9 probes (a prefix). A probe that finds the link fast makes turn 10 pull everything again.
+    # One that cannot tell (seen once in CI: one block took 0.20 s right after the throttle, the slow estimate said
+    # 0.13 s) makes the next probe long enough to tell, and the turn after that pulls.
     recovered = THROTTLED_UNTIL + 1
     assert by[recovered]["decisions"] == {"recomputed/link_slower": 1}, rows
     assert by[recovered + 1]["decisions"] == {"probe/probe_due": 1}, rows
-    assert by[recovered + 2]["decisions"] == {"pulled/link_faster": 1}, rows
-    assert by[recovered + 2]["pulled"] > by[recovered + 1]["pulled"] > 0, rows
+    rest = [by[n] for n in range(recovered + 2, TURNS + 1)]
+    if rest[0]["decisions"] == {"probe/probe_due": 1}:
+        assert rest[0]["pulled"] > by[recovered + 1]["pulled"], rows
+        rest = rest[1:]
+    assert rest and all(r["decisions"] == {"pulled/link_faster": 1} for r in rest), rows
+    assert all(r["pulled"] > by[recovered + 1]["pulled"] > 0 for r in rest), rows
     text = scrape(p.url)
     link = f"{d_host.address}:"
     rate = [line for line in text.splitlines() if line.startswith("vllm:bpdkv_link_bytes_per_second{") and link in line]

@@ -33,12 +33,20 @@ def pull_s(link: Fit, k: int, bs: int = BS, bpb: float = BPB) -> float:
 
 
 @settings(max_examples=400)
-@given(offers, thresholds, rates, overheads, compute_spt, margins, ceilings, st.booleans())
+@given(offers, thresholds, rates, overheads, compute_spt, margins, ceilings, st.booleans(), st.none() | st.floats(1e-4, 5.0))
 def test_choice_is_feasible_and_the_best_whole_block_prefix(
-    tokens: int, threshold: int, rate: float, overhead: float, spt: float, margin: float, ceiling: float, probe: bool
+    tokens: int,
+    threshold: int,
+    rate: float,
+    overhead: float,
+    spt: float,
+    margin: float,
+    ceiling: float,
+    probe: bool,
+    floor_s: float | None,
 ) -> None:
     link, compute = Fit(overhead, 1 / rate), Fit(0.01, spt)
-    choice = cost.choose(request(tokens, threshold), link, compute, margin, ceiling, probe_due=probe)
+    choice = cost.choose(request(tokens, threshold), link, compute, margin, ceiling, probe_due=probe, probe_floor_s=floor_s)
     n = tokens - tokens % BS
     assert 0 <= choice.tokens <= n and choice.tokens % BS == 0
     if choice.pulls:
@@ -67,10 +75,21 @@ def test_choice_is_feasible_and_the_best_whole_block_prefix(
         extra = pull_s(link, choice.tokens) - choice.tokens * spt
         floor = max(threshold, BS) + (-max(threshold, BS)) % BS
         budget = max(cost.PROBE_SHARE * n * spt, cost.PROBE_MIN_BUDGET_S)
-        # bounded: within the budget, or no dearer than the shortest probe possible (itself at most PROBE_MAX_S)
+        # bounded: within the budget, or no dearer than the shortest probe possible (itself at most PROBE_MAX_S);
+        # a probe sized to tell a slow link from a fixed cost (after an inconclusive one) within PROBE_MAX_S
         shortest = pull_s(link, floor) - floor * spt
-        assert extra <= max(budget, shortest) * (1 + 1e-9) + 1e-12
+        assert extra <= max(budget, shortest, cost.PROBE_MAX_S if floor_s is not None else 0.0) * (1 + 1e-9) + 1e-12
         assert shortest <= cost.PROBE_MAX_S
+        if floor_s is not None:
+            plain = cost.choose(request(tokens, threshold), link, compute, margin, ceiling, probe_due=True)
+            assert choice.tokens >= plain.tokens  # never shorter than the probe it follows
+            if choice.tokens > plain.tokens:  # grown to the shortest prefix that tells, or as far as the offer and PROBE_MAX_S let it
+                k = choice.tokens
+                tells = pull_s(link, k) >= cost.PROBE_TELL * floor_s * (1 - 1e-9)
+                capped = k + BS > n or pull_s(link, k + BS) - (k + BS) * spt > cost.PROBE_MAX_S * (1 - 1e-9)
+                assert tells or capped, (choice, plain)
+                if tells and k - BS > plain.tokens:
+                    assert pull_s(link, k - BS) < cost.PROBE_TELL * floor_s * (1 + 1e-9), (choice, plain)
 
 
 @given(offers, thresholds, overheads, compute_spt, margins, st.floats(1e5, 1e10), st.floats(1.01, 100))
@@ -199,11 +218,57 @@ def test_probes_back_off_while_the_link_stays_slow() -> None:
         if choice.outcome is Outcome.PROBE:
             times.append(now)
             nbytes = choice.tokens / BS * BPB
-            book.observe_pull("d:1", "e1", nbytes, link.estimate.predict(nbytes) or 1.0, now)  # as slow as predicted
+            book.observe_pull("d:1", "e1", nbytes, link.estimate.predict(nbytes) or 1.0, now, probe=True)  # as slow as predicted
         now += 1.0
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert gaps and gaps == sorted(gaps) and max(gaps) <= cost.PROBE_INTERVAL_MAX + 1
     assert len(times) < 15  # ~2,000 requests, a handful of probes
+
+
+def test_a_probe_that_cannot_tell_sizes_the_next_to_tell() -> None:
+    """The clean-clone CI run that failed test_slow_link: after a throttled pull (983,040 bytes in 2.0 s) the throttle
+    was lifted, D said the link was fast again, and P's one-block probe took 0.20 s (the slow estimate predicted 0.13 s:
+    a slow link, or a fixed cost that large right after the throttle?). Every later probe was the same block and took
+    as long, so P never pulled again. Now the next probe is long enough to tell: the link is found recovered."""
+    spt = 1 / 1178  # P's prefill rate in that run
+    book = book_with(rate=200e6, overhead=0.0, spt=spt)
+    book.observe_pull("d:1", "e1", 983_040, 2.0, now=0)  # throttled
+    fast_hint = Fit(0.005, 1 / 150e6)  # D's pulls of P's blocks: fast again
+    offer = request(544)  # the history past P's own cache
+
+    def fixed_cost_pull(nbytes: float) -> float:  # the recovered link: a fixed 0.2 s, then 150 MB/s
+        return 0.2 + nbytes / 150e6
+
+    first = book.decide("d:1", offer, 10.0, fast_hint)
+    assert first.outcome is Outcome.PROBE and first.tokens == BS  # one block: the budget of a slow link
+    book.observe_pull("d:1", "e1", first.tokens / BS * BPB, fixed_cost_pull(first.tokens / BS * BPB), 10.3, probe=True)
+    assert book.link("d:1").bytes_per_s < 1e6  # nothing learnt: still "slow"
+    second = book.decide("d:1", offer, 11.0, fast_hint)
+    assert second.outcome is Outcome.PROBE and second.tokens > first.tokens
+    predicted = second.predicted_pull_s or 0.0
+    assert predicted >= cost.PROBE_TELL * fixed_cost_pull(first.tokens / BS * BPB)  # its time tells
+    assert predicted - second.tokens * spt <= cost.PROBE_MAX_S  # and its extra cost is bounded
+    book.observe_pull("d:1", "e1", second.tokens / BS * BPB, fixed_cost_pull(second.tokens / BS * BPB), 11.3, probe=True)
+    third = book.decide("d:1", offer, 12.0, fast_hint)
+    assert third.outcome is Outcome.PULLED and third.reason is Reason.LINK_FASTER, third
+
+
+def test_a_link_slow_for_p_whatever_d_measures_is_probed_by_interval_only() -> None:
+    """An asymmetric link (D reads P's blocks fast, P's reads of D's are slow): one short probe, one that tells, then D's
+    estimate stops triggering probes until P's own interval."""
+    book = book_with(rate=1e9)
+    book.observe_pull("d:1", "e1", 2e6, 2.0, now=0)  # slow for P
+    link = book.link("d:1")
+    fast_hint = Fit(0.001, 1 / 1e9)
+    now, probes = 1.0, []
+    for _ in range(100):  # 100 s of offers, D saying fast every time
+        choice = book.decide("d:1", request(4096), now, fast_hint)
+        if choice.outcome is Outcome.PROBE:
+            probes.append(choice)
+            nbytes = choice.tokens / BS * BPB
+            book.observe_pull("d:1", "e1", nbytes, link.estimate.predict(nbytes) or 1.0, now, probe=True)  # slow as predicted
+        now += 1.0
+    assert len(probes) == 3 and probes[1].tokens > probes[0].tokens, probes  # short, telling, then P's interval (30 s)
 
 
 def test_seed_from_calibrate_and_bad_config() -> None:
