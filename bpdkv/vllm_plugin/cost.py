@@ -425,14 +425,14 @@ class Book:
         if recovered:
             link.probe_interval = self.probe_interval  # recovered: probe again at the first pace if it slows
             link.next_probe = now
-        if not probe or recovered:
+        inconclusive = probe and predicted is not None and not recovered
+        if inconclusive and link.probe_floor_s is None:
+            link.probe_floor_s = seconds  # a slow link, or a fixed cost this large: the next probe tells
+        else:
+            if inconclusive:
+                # A probe sized to tell was slow too: the link is slow for P's pulls, whatever D measures of it.
+                link.hints_ignored_until = now + link.probe_interval
             link.probe_floor_s = None
-        elif predicted is not None and link.probe_floor_s is None:
-            link.probe_floor_s = seconds  # inconclusive: a slow link, or a fixed cost this large; the next probe tells
-        elif predicted is not None:
-            # A probe sized to tell was slow too: the link is slow for P's pulls, whatever D measures of it.
-            link.probe_floor_s = None
-            link.hints_ignored_until = now + link.probe_interval
         mispredicted = predicted is not None and seconds > SURPRISE * predicted
         if mispredicted:
             link.mispredicted += 1

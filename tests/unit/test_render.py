@@ -12,8 +12,9 @@ import pytest
 import yaml
 from jsonschema import Draft202012Validator
 
+from bpdkv import contracts
 from bpdkv.init import InitRequest, scaffold_topology
-from bpdkv.render import Artifact, render_topology
+from bpdkv.render import Artifact, kv_transfer_config, render_topology
 from bpdkv.topology.profiles import list_profiles
 from bpdkv.topology.validate import load_topology, validate_document
 from bpdkv.topology.yaml_source import parse_yaml
@@ -236,17 +237,15 @@ def test_efa_hardware_renders_libfabric_and_fi_env() -> None:
 def test_pull_decision_rendered_for_prefill_only_when_set(tmp_path: Path) -> None:
     """kv_transfer.pull_decision reaches P's connector config (and only P's); unset, the plugin's default applies; a
     cost seed beside `threshold` would be unused: a warning naming it."""
-    from bpdkv import contracts
-
     source = (ROOT / "examples" / "local-cpu.yaml").read_text()
     assert "  pull_decision: threshold\n" in source  # the lab pins it (the example says why)
 
     def extra(text: str, instance: str) -> dict[str, object]:
         path = tmp_path / "t.yaml"
         path.write_text(text)
-        script = next(a.content for a in render_topology(load_topology(path).topology) if a.path == f"/opt/bpdkv/bin/{instance}.sh")
-        config = json.loads(script.split("--kv-transfer-config '", 1)[1].split("'", 1)[0])
-        return config["kv_connector_extra_config"]
+        t = load_topology(path).topology
+        node, inst = next((n, i) for n, i in t.instances() if i.name == instance)
+        return kv_transfer_config(t, inst, node)["kv_connector_extra_config"]
 
     assert extra(source, "prefill-0")[contracts.EXTRA_PULL_DECISION] == contracts.PULL_DECISION_THRESHOLD
     assert contracts.EXTRA_PULL_DECISION not in extra(source, "decode-0")
