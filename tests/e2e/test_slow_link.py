@@ -194,7 +194,10 @@ def test_pull_only_where_it_pays_and_adapt_to_the_link(pd: tuple[Any, Any], refe
     assert all(r["same"] for r in rows), rows  # token for token equal to a single server, whatever P decided
     # Unthrottled: P pulls (turn 2 also pays the NIXL handshake, turn 3 measures the link, turn 4 is decided on it).
     assert all(by[n]["pulled"] > 0 for n in (2, 3, 4)), rows
-    assert by[4]["decisions"] == {"pulled/link_faster": 1}, rows
+    # Turn 4 is decided on the link as measured: fast (a pull), or, when turn 3's pull happened to be slow on a loaded
+    # machine (CI: 0.27 s for 0.9 MB, 3.4 MB/s), a probe that finds it fast again.
+    assert by[4]["decisions"] in ({"pulled/link_faster": 1}, {"probe/probe_due": 1}), rows
+    assert by[4]["link_MBps"] > 10, rows  # either way P ends the unthrottled phase knowing the link is fast
     # Throttled: the first pull is much slower than predicted and teaches P at once; the next turn computes locally.
     assert by[5]["pulled"] > 0 and by[5]["p_s"] > 1.0, rows
     for n in range(THROTTLED_FROM + 1, THROTTLED_UNTIL + 1):
