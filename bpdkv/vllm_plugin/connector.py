@@ -47,6 +47,8 @@ COUNTERS = {
     "bpdkv_fence_deferred_releases": "D: releases that waited for a pinned hold or skipped it for another",
     "bpdkv_fence_pins_lapsed": "D: pins whose lease ended before the hold was read",
     "bpdkv_fence_releases": "D: holds let go at once because P computed locally instead (fence release)",
+    "bpdkv_fence_answers": "D: pin and release asks answered by the fence thread (with a kernel arrival stamp)",
+    "bpdkv_fence_answer_delay_seconds": "D: seconds asks waited for the fence thread, arrival to answer (divide by answers)",
 }
 # P's cost model (cost.py): stats keys carry their labels after "|" (the stats dict must stay plain lists).
 DECISION_PREFIX = "bpdkv_decision|"  # |outcome|reason
@@ -302,7 +304,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         # P: tokens it reads from D (posted), then read (0 if the read failed): its answer says so (contracts.PULLED_TOKENS)
         self._reading: dict[str, int] = {}
         self._read: dict[str, int] = {}
-        self._fence_reported: dict[str, int] = {}
+        self._fence_reported: dict[str, float] = {}
         self._fence_releases = 0  # D: holds let go on P's release (fence thread)
         self._read_leases: dict[str, tuple[float, float]] = {}  # worker: what the scheduler sent
         if worker is not None and not fence.guard_reads(worker, self._read_leases):
@@ -527,7 +529,16 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._stats.data["bpdkv_pin_wait_seconds"].append(time.monotonic() - pending.first_sent)
         choice = self._pin_choice.pop(rid, None)
         if answer.lease_end is None:
-            log.info("bpdkv: pin on %s refused (%s): computing locally", params.get("remote_request_id"), answer.refused)
+            if answer.refused == "unanswered":
+                log.warning(
+                    "bpdkv: pin on %s at %s unanswered after %.1f s (%s): computing locally",
+                    params.get("remote_request_id"),
+                    params.get(fence.FENCE_KEY),
+                    self._pin_answer_timeout,
+                    pending.describe(),
+                )
+            else:
+                log.info("bpdkv: pin on %s refused (%s): computing locally", params.get("remote_request_id"), answer.refused)
             params.update(decide.strip_pull(params))
             params[hold.PULL_OUTCOME_KEY] = PIN_OUTCOME.get(answer.refused or "gone", "released")
             self._stats.data["bpdkv_pin_refused"].append(1)
@@ -579,13 +590,16 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
 
     def _report_fence(self) -> None:
         """D: the fence thread counts in the ledger; its counters reach the metrics from the scheduler thread."""
-        now = {
+        now: dict[str, float] = {
             "bpdkv_fence_pins_granted": self._ledger.pins_granted,
             "bpdkv_fence_pins_refused": sum(self._ledger.pins_refused.values()),
             "bpdkv_fence_deferred_releases": self._ledger.deferred_releases,
             "bpdkv_fence_pins_lapsed": self._ledger.pins_lapsed,
             "bpdkv_fence_releases": self._fence_releases,
         }
+        if self._fence is not None:
+            now["bpdkv_fence_answers"] = self._fence.answers
+            now["bpdkv_fence_answer_delay_seconds"] = self._fence.answer_delay_sum
         for key, value in now.items():
             delta = value - self._fence_reported.get(key, 0)
             if delta:

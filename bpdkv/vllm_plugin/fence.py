@@ -28,6 +28,8 @@ import logging
 import secrets
 import select
 import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +59,11 @@ FIRST_WAIT = 0.005  # P's scheduler waits this long for the answer in the call t
 RESEND_EVERY = 0.05
 MAX_DATAGRAM = 2048
 VERSION = 1
+# Linux: the kernel stamps each datagram when it arrives (SO_TIMESTAMPNS; not exposed by Python's socket module), so
+# D can tell how long an ask waited for the fence thread — the evidence for a starved fence (issue 36) — at no cost.
+SO_TIMESTAMPNS = 35
+TIMESPEC = struct.Struct("@qq")
+SLOW_ANSWER_S = 0.5  # D: an ask that waited longer than this for the fence thread is logged (once per minute at most)
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,18 @@ class FenceServer:
         self.port = int(self._sock.getsockname()[1])
         self._handler = handler
         self._release = release
+        self._stamped = False
+        if sys.platform.startswith("linux"):
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                self._stamped = True
+            except OSError:
+                pass
+        # How long asks waited between arriving (kernel stamp) and being answered: written by the fence thread only.
+        self.answers = 0
+        self.answer_delay_sum = 0.0
+        self.answer_delay_max = 0.0
+        self._slow_logged = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="bpdkv_fence", daemon=True)
         self._thread.start()
@@ -132,10 +151,34 @@ class FenceServer:
     def endpoint(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
+    def _receive(self) -> tuple[bytes, Any, float | None]:
+        """One datagram, its sender and when the kernel received it (wall clock; None where unknown)."""
+        if not self._stamped:
+            raw, peer = self._sock.recvfrom(MAX_DATAGRAM)
+            return raw, peer, None
+        raw, ancillary, _flags, peer = self._sock.recvmsg(MAX_DATAGRAM, socket.CMSG_SPACE(TIMESPEC.size))
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= TIMESPEC.size:
+                sec, nsec = TIMESPEC.unpack_from(data)
+                return raw, peer, sec + nsec / 1e9
+        return raw, peer, None
+
+    def _answered(self, arrived: float | None) -> None:
+        if arrived is None:
+            return
+        delay = max(time.time() - arrived, 0.0)
+        self.answers += 1
+        self.answer_delay_sum += delay
+        self.answer_delay_max = max(self.answer_delay_max, delay)
+        now = time.monotonic()
+        if delay > SLOW_ANSWER_S and now - self._slow_logged > 60:
+            self._slow_logged = now
+            log.warning("bpdkv fence: an ask waited %.2f s for the fence thread before it was answered (D busy?)", delay)
+
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                raw, peer = self._sock.recvfrom(MAX_DATAGRAM)
+                raw, peer, arrived = self._receive()
             except TimeoutError:
                 continue
             except OSError:
@@ -169,6 +212,7 @@ class FenceServer:
                 self._sock.sendto(reply, peer)
             except OSError:
                 pass  # P resends its ask
+            self._answered(arrived)
 
     def stop(self) -> None:
         self._stop.set()
@@ -201,37 +245,64 @@ class PendingPin:
         self._last_sent = -1.0
         self.answer: PinAnswer | None = None
         self.round_trip: float | None = None
+        # What P did while it waited (the evidence when a pin goes unanswered): asks sent, polls, the longest pause
+        # between two polls (P's own scheduler not stepping), and whether an answer came after the deadline.
+        self.sends = 0
+        self.polls = 0
+        self.max_poll_gap = 0.0
+        self._last_poll: float | None = None
         self._send()
 
     def _send(self) -> None:
         self._last_sent = self._clock()
+        self.sends += 1
         try:
             self._sock.sendto(self._ask, self.endpoint)
         except OSError:
             pass  # unreachable now; resent, then given up on at the deadline
 
     def poll(self, wait: float = 0.0) -> PinAnswer | None:
-        """The answer, or None while it may still come (resending meanwhile); after the timeout: refused, unanswered."""
+        """The answer, or None while it may still come (resending meanwhile); after the timeout: refused, unanswered.
+        Whatever has arrived is read before the deadline is checked: an answer D sent in time counts even when P's
+        scheduler comes back late to read it (a busy P must not turn D's prompt answer into "unanswered")."""
         if self.answer is not None:
             return self.answer
-        until = self._clock() + wait
+        start = self._clock()
+        if self._last_poll is not None:
+            self.max_poll_gap = max(self.max_poll_gap, start - self._last_poll)
+        self._last_poll = start
+        self.polls += 1
+        until = start + wait
         while True:
+            msg = self._read()
+            if msg is not None:
+                return self._finish(msg)
             now = self._clock()
             if now >= self._deadline:
                 return self._settle(PinAnswer(None, "unanswered"))
             if now - self._last_sent >= RESEND_EVERY:
                 self._send()
-            pause = max(min(until, self._deadline, self._last_sent + RESEND_EVERY) - now, 0.0)
-            readable, _, _ = select.select([self._sock], [], [], pause)
-            if readable:
-                try:
-                    msg = parse(self._sock.recv(MAX_DATAGRAM))
-                except OSError:
-                    msg = None  # e.g. ICMP port unreachable: resent until the deadline
-                if msg is not None and msg.get("token") == self.token:
-                    return self._finish(msg)
-            elif self._clock() >= until:
+            pause = min(until, self._deadline, self._last_sent + RESEND_EVERY) - now
+            if pause <= 0 and now >= until:
                 return None
+            select.select([self._sock], [], [], max(pause, 0.0))
+
+    def _read(self) -> dict[str, object] | None:
+        """Our answer if one is waiting in the socket (others' and malformed datagrams are dropped); never blocks."""
+        while True:
+            try:
+                raw = self._sock.recv(MAX_DATAGRAM)
+            except BlockingIOError:
+                return None
+            except OSError:
+                return None  # e.g. ICMP port unreachable: resent until the deadline
+            msg = parse(raw)
+            if msg is not None and msg.get("token") == self.token:
+                return msg
+
+    def describe(self) -> str:
+        """One line on how the wait went, for the log when a pin goes unanswered."""
+        return f"{self.sends} asks sent, {self.polls} polls by P's scheduler, longest pause between polls {self.max_poll_gap:.2f} s"
 
     def _finish(self, msg: dict[str, object]) -> PinAnswer:
         self.round_trip = self._clock() - self.first_sent

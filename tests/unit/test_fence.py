@@ -3,8 +3,10 @@ UDP round trip on loopback."""
 
 from __future__ import annotations
 
+import select
 import socket
 import statistics
+import sys
 import threading
 import time
 
@@ -160,11 +162,12 @@ def test_no_pinned_hold_is_ever_handed_to_the_worker_to_free(budget: int, ops: l
             to_free.discard(rid)
         if rid in freed:
             assert ledger.pin(rid, "late", now, LEASE) is PinRefusal.GONE
-    hand_over(ledger.tick(now + 10 * LEASE))  # every pin lapses
+    now += 10 * LEASE  # every pin lapses (hand_over compares against this `now`: a stale one failed at random)
+    hand_over(ledger.tick(now))
     for rid in held - freed - to_free:
         assert ledger.holds(rid), f"{rid} released but never handed to the worker"  # its blocks would be stuck
     for rid in held - freed:
-        ledger.finished_sending(rid, now + 10 * LEASE)
+        ledger.finished_sending(rid, now)
     assert ledger.held_blocks == 0
     assert sum(ledger.releases.values()) == len(held)
 
@@ -203,6 +206,57 @@ def test_unanswered_pin_gives_up_at_its_timeout() -> None:
         assert len(_drain(silent)) >= 3  # the ask was resent meanwhile
     finally:
         silent.close()
+
+
+def test_an_answer_that_came_in_time_counts_when_p_reads_it_late() -> None:
+    """Issue 36: P's scheduler may come back to its pin only after the answer timeout (a busy P). D's answer is already
+    in P's socket then: it is read before the deadline is checked, never turned into "unanswered"."""
+    server = serve({"held": LEASE})
+    now = [0.0]
+    try:
+        endpoint = fence.parse_endpoint(server.endpoint)
+        assert endpoint is not None
+        pending = fence.PendingPin(endpoint, "held", timeout=2.0, clock=lambda: now[0])
+        readable, _, _ = select.select([pending._sock], [], [], 30)  # D answers (the test waits, P does not poll)
+        assert readable
+        now[0] = 60.0  # P's scheduler comes back long after the deadline
+        answer = pending.poll()
+        assert answer is not None and answer.granted and answer.lease_end == LEASE
+        assert pending.polls == 1 and pending.sends == 1
+    finally:
+        server.stop()
+
+
+def test_the_fence_reports_how_long_asks_waited_for_its_thread() -> None:
+    """D stamps each ask's arrival (kernel time) and counts the wait until it is answered: a fence thread held up for
+    `block` seconds shows at least that much waiting for the ask queued behind it."""
+    block = 0.3
+    entered, go = threading.Event(), threading.Event()
+
+    def slow_then_fast(rid: str, token: str, lease: float | None) -> float | str:
+        if rid == "slow":
+            entered.set()
+            go.wait(10)
+        return LEASE
+
+    server = fence.FenceServer("127.0.0.1", 0, slow_then_fast)
+    try:
+        endpoint = fence.parse_endpoint(server.endpoint)
+        assert endpoint is not None
+        slow = fence.PendingPin(endpoint, "slow", timeout=30.0)
+        assert entered.wait(10)
+        queued = fence.PendingPin(endpoint, "queued", timeout=30.0)  # arrives while the thread is busy
+        time.sleep(block)
+        go.set()
+        for pending in (slow, queued):
+            answer = pending.poll(wait=10.0)
+            assert answer is not None and answer.granted
+        if sys.platform.startswith("linux"):
+            assert server.answers >= 2
+            assert server.answer_delay_max >= block
+            assert server.answer_delay_sum >= server.answer_delay_max
+    finally:
+        server.stop()
 
 
 def _drain(sock: socket.socket) -> list[bytes]:
