@@ -136,6 +136,7 @@ ROUTER_DEFAULTS: Final[dict[str, Any]] = {
     "workers": 1,  # or "auto": 1 below 4 usable cores, else cores - 1 (router/workers.auto_workers)
     "max_body_bytes": 32 * 1024 * 1024,
     "max_json_depth": 64,
+    "max_header_bytes": 64 * 1024,  # a request head (request line + headers) larger than this gets 431, connection closed
     "admin_key_file": None,
 }
 # Seconds (whole numbers, so the rendered YAML stays as people write it).

@@ -93,6 +93,7 @@ class RouterConfig:
     workers: int | str = ROUTER_DEFAULTS["workers"]  # N or "auto" (router/workers.py: auto_workers)
     max_body_bytes: int = ROUTER_DEFAULTS["max_body_bytes"]
     max_json_depth: int = ROUTER_DEFAULTS["max_json_depth"]
+    max_header_bytes: int = ROUTER_DEFAULTS["max_header_bytes"]
     admin_key_file: str | None = ROUTER_DEFAULTS["admin_key_file"]
     # HTTPS and Redis credentials (bpdkv.router.security): files on the node, 0600 where secret.
     tls_cert_file: str | None = None
@@ -176,6 +177,7 @@ def _build(data: dict[str, Any]) -> RouterConfig:
         workers=data.get("workers", ROUTER_DEFAULTS["workers"]),
         max_body_bytes=int(data.get("max_body_bytes", ROUTER_DEFAULTS["max_body_bytes"])),
         max_json_depth=int(data.get("max_json_depth", ROUTER_DEFAULTS["max_json_depth"])),
+        max_header_bytes=int(data.get("max_header_bytes", ROUTER_DEFAULTS["max_header_bytes"])),
         admin_key_file=data.get("admin_key_file"),
         tls_cert_file=data.get("tls_cert_file"),
         tls_key_file=data.get("tls_key_file"),
