@@ -15,3 +15,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def regen(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--regen"))
+
+
+# Suite-wide hooks: a stopped run ends what it started; the slow layers say what is running (tests/suite.py).
+from tests.suite import (  # noqa: E402,F401
+    pytest_configure,
+    pytest_runtest_logreport,
+    pytest_runtest_setup,
+    pytest_sessionstart,
+    pytest_unconfigure,
+)

@@ -1,10 +1,13 @@
-"""Ending the servers tests and benchmarks start: by their own process group, politely first."""
+"""Ending the servers tests and benchmarks start: by their own process group, politely first; and, as a backstop,
+every process a run left behind (its descendants), read from /proc."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import time
+from pathlib import Path
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
@@ -17,3 +20,53 @@ def stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def _parents(proc: Path = Path("/proc")) -> dict[int, int]:
+    """pid → parent pid of every process now (Linux /proc; empty elsewhere)."""
+    out: dict[int, int] = {}
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1 and fields[0] != "Z":  # a zombie is already ended (its parent has yet to reap it)
+            out[int(entry.name)] = int(fields[1])
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below `pid` (children first, then theirs), whatever session or group they started."""
+    parents = _parents()
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        nxt = todo.pop(0)
+        found.append(nxt)
+        todo.extend(children.get(nxt, []))
+    return found
+
+
+def end_descendants(pid: int, grace: float = 10.0) -> list[int]:
+    """SIGTERM every descendant of `pid`, SIGKILL those left after `grace` seconds; returns the pids that were found.
+    For a run being stopped (SIGTERM, Ctrl-C) or one that leaked a server: nothing it started may outlive it."""
+    found = descendants(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in descendants(pid) if p in found] if sig == signal.SIGKILL else found
+        for p in alive:
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(p in found for p in descendants(pid)):
+                time.sleep(0.1)
+    return found

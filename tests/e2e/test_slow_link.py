@@ -199,16 +199,15 @@ def test_pull_only_where_it_pays_and_adapt_to_the_link(pd: tuple[Any, Any], refe
     assert by[4]["decisions"] in ({"pulled/link_faster": 1}, {"probe/probe_due": 1}), rows
     assert by[4]["link_MBps"] > 10, rows  # either way P ends the unthrottled phase knowing the link is fast
     # Throttled: the first pull is much slower than predicted and teaches P at once; the next turn computes locally.
-    assert by[5]["pulled"] > 0 and by[5]["p_s"] > 1.0, rows
+    # (Asserted on what P did and learnt — bytes moved, its link estimate, its decisions — never on seconds: timing
+    # targets live in benchmarks/slow_link.py.)
+    assert by[5]["pulled"] > 0 and by[5]["bytes"] > 0, rows
+    assert by[5]["link_MBps"] < by[4]["link_MBps"], rows  # the throttled pull lowered P's estimate of the link
     for n in range(THROTTLED_FROM + 1, THROTTLED_UNTIL + 1):
         assert by[n]["decisions"] == {"recomputed/link_slower": 1}, rows
         assert by[n]["pulled"] == 0 and by[n]["bytes"] == 0, rows  # no NIXL bytes
         assert by[n]["outcome"] == contracts.PULL_LINK_SLOWER, rows  # the router learns it
         assert by[n]["d_declined"] == 1, rows  # D let the hold go at once (fence release), not at its TTL
-        # Computing beats the pull it replaced (the history only grew since turn 5's pull, so that pull would be slower
-        # still). Not 2x: a loaded 2-core CI machine computed turn 7 in 1.10 s against a 2.15 s pull. A slower throttle
-        # (2mbit) would widen the gap but moves when D sees the link recover, and with it the probe turn asserted below.
-        assert by[n]["p_s"] < 0.75 * by[5]["p_s"], rows
     # Unthrottled again: D's last pull of P's blocks was still throttled (turn 8 computed, no probe); D sees the link
     # fast on turn 8, so turn 9 probes (a prefix). A probe that finds the link fast makes turn 10 pull everything again.
     # One that cannot tell (seen once in CI: one block took 0.20 s right after the throttle, the slow estimate said

@@ -63,8 +63,11 @@ def test_bench_runs_modes_and_reports(fleet_factory, tmp_path: Path) -> None:  #
     assert on["servers"][fleet.emulator_urls[0]]["external_tokens"] > 0
     assert off["servers"][fleet.emulator_urls[0]]["external_tokens"] == 0
     assert set(on["ttft_by_turn"]) == {"0", "1", "2", "3"}
-    # P emulates 0.2 ms per computed token: pulling history instead of computing it must show in TTFT
-    assert on["ttft_turns_ge_2"]["median"] < off["ttft_turns_ge_2"]["median"]
+    # Pulling history instead of computing it: P computed fewer prompt tokens with reuse on (the same conversations).
+    # Not asserted on TTFT: a wall-clock comparison on a loaded machine is a coin toss (timing lives in benchmarks/).
+    p_on, p_off = on["servers"][fleet.emulator_urls[0]], off["servers"][fleet.emulator_urls[0]]
+    assert p_on["local_compute_tokens"] < p_off["local_compute_tokens"], (p_on, p_off)
+    assert on["ttft_turns_ge_2"]["median"] is not None and off["ttft_turns_ge_2"]["median"] is not None
     assert png.stat().st_size > 1000
     assert "reuse off/on (same run)" in result.output
     cmp = CliRunner().invoke(main, ["bench", "compare", str(out), str(out)])
