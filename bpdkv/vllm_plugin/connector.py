@@ -24,7 +24,7 @@ from typing import Any
 
 from bpdkv import contracts
 from bpdkv.vllm_plugin import cost, decide, digests, fence, handshake, hold
-from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, require_supported
+from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, log_notes, require_supported, skips_external_kv
 
 require_supported()
 log = logging.getLogger("vllm.bpdkv_plugin")  # under vLLM's logger: its handlers print our lines
@@ -266,6 +266,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._ttl = float(extra.get(contracts.EXTRA_BLOCKS_TTL, contracts.DEFAULT_BLOCKS_TTL))
         self._block_size = int(vllm_config.cache_config.block_size)
         self._stats = BpdkvStats()
+        log_notes(vllm_config, log)  # compat: what this vLLM does that bpdkv does not cover
         worker = getattr(self, "connector_worker", None)
         if worker is not None and hasattr(worker, "xfer_stats"):
             worker.xfer_stats = BpdkvStats()  # every stats object in flight must know bpdkv's keys
@@ -392,7 +393,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         notifies D (no read), which needs no pin."""
         prompt_tokens = int(getattr(request, "num_prompt_tokens", 0) or len(request.prompt_token_ids or []))
         count = min(int(params.get("remote_num_tokens") or 0), prompt_tokens) - num_computed_tokens
-        return count > 0 and not (0 < self._recompute_threshold and count < self._recompute_threshold)
+        return count > 0 and not (0 < self._recompute_threshold and count < self._recompute_threshold) and not skips_external_kv(request)
 
     def _count_verified(self, verified_tokens: int, num_computed_tokens: int) -> None:
         if verified_tokens and verified_tokens > num_computed_tokens:
