@@ -393,7 +393,7 @@ def _print_plan(plan: Any, show_diff: bool = True) -> None:
             if u.action != "none":
                 console.print(f"  [bold]{u.action}[/] {u.unit} — {escape(u.reason)}")
     if plan.waves:
-        console.print("order: " + " → ".join(f"{w['role']} ({len(w['units'])})" for w in plan.waves))
+        console.print("order: " + " → ".join(f"{w.role} ({len(w.units)})" for w in plan.waves))
     from bpdkv.deploy.fleet import plan_summary
 
     s = plan_summary(plan)

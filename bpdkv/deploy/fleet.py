@@ -36,10 +36,12 @@ from bpdkv.deploy.facts import (
 )
 from bpdkv.deploy.inventory import Inventory, load_with_inventory, membership_change
 from bpdkv.deploy.planner import (
+    FileAction,
     FileChange,
     HostPlan,
     Plan,
     UnitAction,
+    UnitVerb,
     empty_facts,
     fact_differences,
     facts_detail,
@@ -376,8 +378,8 @@ def removal_plan(fleet: Fleet, keep_packages: bool) -> Plan:
         operations += [ops.DeleteFile(p) for p in paths]
         operations.append(ops.DaemonReload())
         operations += _cleanup(manifest, paths, keep_packages)
-        files = [FileChange(p, "delete", 0, None) for p in paths]
-        units = [UnitAction(u, u, "removed", "stop", "destroy") for u in manifest.get("units", [])]
+        files = [FileChange(p, FileAction.DELETE, 0, None) for p in paths]
+        units = [UnitAction(u, u, "removed", UnitVerb.STOP, "destroy") for u in manifest.get("units", [])]
         hosts.append(HostPlan(node.name, node.host, True, None, files, True, units, facts_digest(facts), operations=operations))
     generation = "0" * 12
     return Plan(fleet.topology.name, generation, "", False, [], hosts, [], source_digest())

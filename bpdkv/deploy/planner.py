@@ -7,6 +7,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 from bpdkv import __version__
@@ -22,10 +23,42 @@ ROLE_ORDER = ("prefill", "decode", "router")
 DISK_MARGIN = 16 * 1024 * 1024  # bytes free beyond the files themselves (backups, temp copies, the manifest)
 
 
+class FileAction(StrEnum):
+    CREATE = "create"
+    UPDATE = "update"
+    DELETE = "delete"
+    NONE = "none"
+
+    @property
+    def symbol(self) -> str:
+        return {"create": "+", "update": "~", "delete": "-", "none": " "}[self.value]
+
+
+class UnitVerb(StrEnum):
+    START = "start"
+    RESTART = "restart"
+    STOP = "stop"
+    NONE = "none"
+
+
+class WaveAction(StrEnum):
+    STOP = "stop"  # units no longer in the topology
+    START_OR_RESTART = "start/restart"
+
+
+@dataclass(frozen=True)
+class Wave:
+    """One step of the rollout order: `role`'s units (host:unit), started or stopped together."""
+
+    role: str  # prefill | decode | router | removed
+    action: WaveAction
+    units: list[str]
+
+
 @dataclass(frozen=True)
 class FileChange:
     path: str
-    action: str  # create | update | delete | none
+    action: FileAction
     mode: int
     instance: str | None
     drift: bool = False  # the file differs from what the last apply wrote (edited by hand)
@@ -33,7 +66,7 @@ class FileChange:
 
     @property
     def symbol(self) -> str:
-        return {"create": "+", "update": "~", "delete": "-", "none": " "}[self.action]
+        return self.action.symbol
 
 
 @dataclass(frozen=True)
@@ -41,7 +74,7 @@ class UnitAction:
     unit: str
     instance: str
     role: str
-    action: str  # start | restart | stop | none
+    action: UnitVerb
     reason: str
     port: int | None = None
     new: bool = False  # its unit file is created by this apply: a rollback stops it (never matched from `reason`)
@@ -90,7 +123,7 @@ class Plan:
     compat_break: bool
     compat_changes: list[str]
     hosts: list[HostPlan]
-    waves: list[dict[str, Any]] = field(default_factory=list)
+    waves: list[Wave] = field(default_factory=list)
     cli_build: str = ""  # digest of the bpdkv source that made the plan; a saved plan runs only with the same build
     group: list[str] = field(default_factory=list)  # hosts of one P/D generation: they succeed or roll back together
     limit: list[str] = field(default_factory=list)
@@ -117,7 +150,7 @@ class Plan:
         out = asdict(self)
         for host, plan in zip(out["hosts"], self.hosts, strict=True):
             for f in host["files"]:
-                f["symbol"] = {"create": "+", "update": "~", "delete": "-", "none": " "}[f["action"]]
+                f["symbol"] = FileAction(f["action"]).symbol
             host["operations"] = [ops.to_json(op) for op in plan.operations]
             host["commands"] = [ops.describe(op) for op in plan.operations]
         out["has_changes"] = self.has_changes
@@ -132,10 +165,10 @@ class Plan:
                 address=h["address"],
                 reachable=h["reachable"],
                 error=h["error"],
-                files=[FileChange(f["path"], f["action"], f["mode"], f["instance"], f["drift"], f["diff"]) for f in h["files"]],
+                files=[FileChange(f["path"], FileAction(f["action"]), f["mode"], f["instance"], f["drift"], f["diff"]) for f in h["files"]],
                 daemon_reload=h["daemon_reload"],
                 units=[
-                    UnitAction(u["unit"], u["instance"], u["role"], u["action"], u["reason"], u["port"], u.get("new", False))
+                    UnitAction(u["unit"], u["instance"], u["role"], UnitVerb(u["action"]), u["reason"], u["port"], u.get("new", False))
                     for u in h["units"]
                 ],
                 facts_digest=h["facts_digest"],
@@ -155,7 +188,7 @@ class Plan:
             data["compat_break"],
             data["compat_changes"],
             hosts,
-            data["waves"],
+            [Wave(w["role"], WaveAction(w["action"]), list(w["units"])) for w in data["waves"]],
             data["cli_build"],
             data.get("group", []),
             data.get("limit", []),
@@ -367,11 +400,11 @@ def make_plan(
             recorded = manifest_files.get(art.path)
             drift = info is not None and recorded is not None and info["sha256"] != recorded
             if info is None:
-                action = "create"
+                action = FileAction.CREATE
             elif info["sha256"] != want or info.get("mode") != art.mode or _wrong_group(f, art, info):
-                action = "update"
+                action = FileAction.UPDATE
             else:
-                action = "none"
+                action = FileAction.NONE
             diff = _diff(node.name, art.path, f.content(art.path), art.content, art.secret) if action == "update" else ""
             changes.append(FileChange(art.path, action, art.mode, art.instance, drift, diff))
             if action != "none" and art.instance:  # a reloaded file (TLS pair) needs no restart: the instance re-reads it
@@ -380,7 +413,7 @@ def make_plan(
         rendered = {a.path for a in mine}
         for path in sorted(manifest_files):
             if path not in rendered and path != MANIFEST_PATH:
-                changes.append(FileChange(path, "delete", 0, None, False, ""))
+                changes.append(FileChange(path, FileAction.DELETE, 0, None, False, ""))
         repair = _repair_reason(f, mine)
         packages = package_changes(topology, node, f.versions, f.bpdkv_source)
         upgraded = [p.line for p in packages if p.action != "none"]
@@ -392,30 +425,30 @@ def make_plan(
             what = changed_by_instance.get(art.instance)
             new = any(c.path == art.path and c.action == "create" for c in changes)
             if new:
-                action, reason = "start", "new instance"
+                verb, reason = UnitVerb.START, "new instance"
             elif compat_break and inst.role in ("prefill", "decode"):
-                action, reason = "restart", "compatibility break (" + "; ".join(compat_changes) + "): P and D restart together"
+                verb, reason = UnitVerb.RESTART, "compatibility break (" + "; ".join(compat_changes) + "): P and D restart together"
             elif what:
-                action, reason = ("restart" if state == "active" else "start"), "changed: " + ", ".join(sorted(set(what)))
+                verb, reason = (UnitVerb.RESTART if state == "active" else UnitVerb.START), "changed: " + ", ".join(sorted(set(what)))
             elif upgraded:
-                action, reason = ("restart" if state == "active" else "start"), "packages changed: " + "; ".join(upgraded)
+                verb, reason = (UnitVerb.RESTART if state == "active" else UnitVerb.START), "packages changed: " + "; ".join(upgraded)
             elif repair:
-                action, reason = ("restart" if state == "active" else "start"), f"repair: {repair}"
+                verb, reason = (UnitVerb.RESTART if state == "active" else UnitVerb.START), f"repair: {repair}"
             elif state != "active":
-                action, reason = "start", f"not running ({state})"
+                verb, reason = UnitVerb.START, f"not running ({state})"
             elif art.instance in reloaded_by_instance:
                 kinds = ", ".join(sorted(set(reloaded_by_instance[art.instance])))
-                action, reason = "none", f"re-reads its changed {kinds} without a restart"
+                verb, reason = UnitVerb.NONE, f"re-reads its changed {kinds} without a restart"
             else:
-                action, reason = "none", "up to date"
-            if inst.role == "prefill" and action in ("restart", "start") and not new:
+                verb, reason = UnitVerb.NONE, "up to date"
+            if inst.role == "prefill" and verb in (UnitVerb.RESTART, UnitVerb.START) and not new:
                 restarted_prefill.append(inst.name)
-            units.append(UnitAction(art.unit, inst.name, inst.role, action, reason, inst.port, new))
+            units.append(UnitAction(art.unit, inst.name, inst.role, verb, reason, inst.port, new))
         old_units = (f.manifest or {}).get("units", []) if isinstance(f.manifest, dict) else []
         old_instances = (f.manifest or {}).get("instances", {}) if isinstance(f.manifest, dict) else {}
         for unit in old_units:
             if unit not in {a.unit for a in mine if a.unit}:
-                units.append(UnitAction(unit, old_instances.get(unit, unit), "removed", "stop", "no longer in the topology"))
+                units.append(UnitAction(unit, old_instances.get(unit, unit), "removed", UnitVerb.STOP, "no longer in the topology"))
         daemon_reload = any(c.path.endswith(".service") and c.action != "none" for c in changes)
         pending.append((node, changes, daemon_reload, units, f, packages, repair))
 
@@ -428,7 +461,7 @@ def make_plan(
                     u.unit,
                     u.instance,
                     u.role,
-                    "restart",
+                    UnitVerb.RESTART,
                     f"prefill {', '.join(restarted_prefill)} restarts (stale NIXL agent cache on D)",
                     u.port,
                 )
@@ -456,14 +489,14 @@ def make_plan(
         host_plans.append(replace(host_plan, operations=operations if host_plan.changed else [], problems=problems))
 
     host_plans.sort(key=lambda h: [n.name for n in topology.nodes].index(h.host))
-    waves: list[dict[str, Any]] = []
+    waves: list[Wave] = []
     stops = [f"{h.host}:{u.unit}" for h in host_plans for u in h.units if u.action == "stop"]
     if stops:
-        waves.append({"role": "removed", "action": "stop", "units": stops})
+        waves.append(Wave("removed", WaveAction.STOP, stops))
     for role in ROLE_ORDER:
         members = [f"{h.host}:{u.unit}" for h in host_plans for u in h.units if u.role == role and u.action in ("start", "restart")]
         if members:
-            waves.append({"role": role, "action": "start/restart", "units": members})
+            waves.append(Wave(role, WaveAction.START_OR_RESTART, members))
     group = sorted(
         {h.host for h in host_plans for u in h.units if compat_break and u.role in ("prefill", "decode") and u.action != "none"},
         key=[n.name for n in topology.nodes].index,

@@ -102,7 +102,7 @@ def _summary(fixture: dict[str, Any]) -> dict[str, Any]:
             }
             for h in plan.hosts
         },
-        "waves": [[w["role"], w["units"]] for w in plan.waves],
+        "waves": [[w.role, w.units] for w in plan.waves],
     }
 
 
