@@ -56,17 +56,22 @@ def descendants(pid: int) -> list[int]:
 
 def end_descendants(pid: int, grace: float = 10.0) -> list[int]:
     """SIGTERM every descendant of `pid`, SIGKILL those left after `grace` seconds; returns the pids that were found.
-    For a run being stopped (SIGTERM, Ctrl-C) or one that leaked a server: nothing it started may outlive it."""
-    found = descendants(pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in descendants(pid) if p in found] if sig == signal.SIGKILL else found
-        for p in alive:
+    For a run being stopped (SIGTERM, Ctrl-C) or one that leaked a server: nothing it started may outlive it. The tree
+    is read again after each round of signals: a process started meanwhile (a server starting up) is ended too."""
+    found: list[int] = []
+    deadline = time.monotonic() + grace
+    while True:
+        alive = descendants(pid)
+        fresh = [p for p in alive if p not in found]
+        found += fresh
+        if not alive:
+            return found
+        late = time.monotonic() >= deadline
+        for p in alive if late else fresh:
             try:
-                os.kill(p, sig)
+                os.kill(p, signal.SIGKILL if late else signal.SIGTERM)
             except OSError:
                 pass
-        if sig == signal.SIGTERM:
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(p in found for p in descendants(pid)):
-                time.sleep(0.1)
-    return found
+        if late and time.monotonic() >= deadline + 10:
+            return found  # unkillable (D state): give up rather than hang the run
+        time.sleep(0.1)
