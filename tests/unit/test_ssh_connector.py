@@ -55,5 +55,7 @@ def test_a_server_that_never_speaks_ssh_fails_the_connect_within_its_bound(tmp_p
             conn.close()
         server.close()
     took = time.monotonic() - started
-    assert took < 1.0 + 2.0 + 1.0, took  # connect_timeout + liveness, and a little for the thread
+    # Gives up by its own timeouts (connect 1 s + liveness 2 s), not by hanging on the silent server: bounded with room
+    # for a loaded 2-core machine (the behaviour is "gives up", not how fast).
+    assert took < 3 * (1.0 + 2.0), took
     assert err.value.host == "n"
