@@ -9,7 +9,7 @@ from functools import cache
 from typing import Any
 
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import ValidationError
+from jsonschema.exceptions import ValidationError, relevance
 
 from bpdkv.errors import Diagnostic
 from bpdkv.resources import schemas_dir
@@ -100,11 +100,71 @@ def _message(error: ValidationError) -> tuple[PathKey, str]:
     return path, error.message
 
 
-def _leaves(error: ValidationError) -> list[ValidationError]:
-    # For oneOf/anyOf the useful errors are the nested ones.
+def _branch_words(branch: Any) -> str | None:
+    """A short name for a oneOf/anyOf branch that is only a type, a const or an enum (None: anything richer)."""
+    if not isinstance(branch, dict):
+        return None
+    if "const" in branch:
+        return repr(branch["const"])
+    if "enum" in branch:
+        return " or ".join(repr(c) for c in branch["enum"])
+    if set(branch) <= {"type", "minimum", "maximum", "description"} and "type" in branch:
+        types = branch["type"]
+        return _either([_TYPE_WORDS.get(t, t) for t in ([types] if isinstance(types, str) else types)])
+    if set(branch) <= {"$ref", "description"} and branch.get("$ref") == "#/$defs/secretRef":
+        return "a secret reference ({secret: {...}})"
+    return None
+
+
+def _either(words: list[str | None]) -> str:
+    parts = [w for w in words if w]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def _only_required(branches: list[Any]) -> list[str] | None:
+    """The keys of a oneOf whose branches each only require one key ("exactly one of"), else None."""
+    keys = []
+    for branch in branches:
+        if not (isinstance(branch, dict) and set(branch) == {"required"} and len(branch["required"]) == 1):
+            return None
+        keys.append(str(branch["required"][0]))
+    return keys
+
+
+def _one_of(error: ValidationError) -> ValidationError | tuple[PathKey, str]:
+    """One line for a failed oneOf/anyOf: a combined message when the branches are simple, else the error of the
+    best-matching branch (jsonschema's relevance), never one line per branch."""
+    path: PathKey = tuple(error.absolute_path)
+    branches = error.validator_value if isinstance(error.validator_value, list) else []
+    keys = _only_required(branches)
+    if keys is not None and isinstance(error.instance, dict):
+        present = [k for k in keys if k in error.instance]
+        got = f" (got {' and '.join(present)})" if present else ""
+        return path, f"needs exactly one of: {', '.join(keys)}{got}"
+    if not error.context:
+        return path, error.message  # e.g. "valid under each of" with no branch failing
+    words = [_branch_words(b) for b in branches]
+    wrong_kind = all(e.validator in ("type", "const", "enum") and not e.relative_path for e in error.context)
+    if wrong_kind and all(words):
+        return path, f"expected {_either(words)}, got {_describe(error.instance)}"
+    # The best-matching branch: one the value's type fits (a wrong type or constant says least), then the deepest error (the
+    # branch got furthest), then jsonschema's own relevance.
+    return max(
+        error.context,
+        key=lambda e: (not (e.validator in ("type", "const") and not e.relative_path), len(e.relative_path), relevance(e)),
+    )
+
+
+def _leaves(error: ValidationError) -> list[tuple[ValidationError, PathKey, str]]:
+    """(error, path, one-line message) for ``error``: a oneOf/anyOf gives one line, the best-matching branch's."""
+    if error.validator in ("oneOf", "anyOf"):
+        picked = _one_of(error)
+        if isinstance(picked, tuple):
+            return [(error, *picked)]
+        return _leaves(picked)
     if error.context:
         return [leaf for sub in error.context for leaf in _leaves(sub)]
-    return [error]
+    return [(error, *_message(error))]
 
 
 @dataclass(frozen=True)
@@ -119,13 +179,15 @@ def issues(data: Any, definition: str | None = None) -> list[SchemaIssue]:
     out: list[SchemaIssue] = []
     seen: set[tuple[PathKey, str]] = set()
     errors = sorted(_validator(definition).iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
-    for top in errors:
-        for error in _leaves(top):
-            path, message = _message(error)
-            if (path, message) in seen:
-                continue
-            seen.add((path, message))
-            out.append(SchemaIssue(path, message, error.validator == "additionalProperties"))
+    leaves = [leaf for top in errors for leaf in _leaves(top)]
+    # A value of the wrong type is one line: other complaints about the same value (e.g. a oneOf of `required`
+    # branches that an integer trivially satisfies) only repeat it.
+    typed = {path for error, path, _ in leaves if error.validator == "type"}
+    for error, path, message in leaves:
+        if (path, message) in seen or (path in typed and error.validator in ("oneOf", "anyOf")):
+            continue
+        seen.add((path, message))
+        out.append(SchemaIssue(path, message, error.validator == "additionalProperties"))
     return out
 
 

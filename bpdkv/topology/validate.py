@@ -171,17 +171,33 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+SKIPPED_ALL = "semantic checks skipped: no node with a valid instance is left once the schema errors are set aside; fix them first"
+
+
+def skipped_checks(path: PathKey) -> str:
+    """The warning for a part left out of the semantic checks because it fails the schema: which checks, and why."""
+    if len(path) == 4 and path[0] == "nodes":
+        return "instance not checked further until its errors are fixed: its GPU, port, P/D and capacity checks were skipped"
+    if len(path) == 2 and path[0] == "nodes":
+        return "node not checked further until its errors are fixed: its address, SSH, EFA and instance checks were skipped"
+    return "invalid: the semantic checks ran with its default instead"
+
+
 def _with_problems_of_valid_parts(
     merged: Any, source: SourceMap, errors: list[Diagnostic], file: str
 ) -> tuple[list[Diagnostic], list[Diagnostic]]:
     """Schema errors plus the semantic problems of every part that passed the schema: all problems in one run."""
     errors, warnings = list(errors), list[Diagnostic]()
     parts = valid_parts(merged, errors, [issue.path for issue in schema.issues(merged) if issue.unknown_key])
-    if parts is not None and not schema.validate(parts.data, source):
+    if parts is None or schema.validate(parts.data, source):
+        warnings.append(Diagnostic(SKIPPED_ALL, file=file, severity="warning"))
+    else:
         for problem in checks.run_checks(build_topology(parts.data)):
             path = parts.original(problem.path)
             if not parts.explains(path):
                 (errors if problem.severity == "error" else warnings).append(_diag(source, path, problem.message, problem.severity))
+        warnings += [_diag(source, path, skipped_checks(path), "warning") for path in sorted(parts.dropped, key=str)]
+    warnings.sort(key=lambda d: (d.file != file, d.line or 0, d.column or 0))
     errors.sort(key=lambda d: (d.file != file, d.line or 0, d.column or 0))
     return errors, warnings
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from bpdkv.cli import main
 from bpdkv.errors import InvalidTopology
-from bpdkv.topology.validate import load_topology, validate_document
+from bpdkv.topology.validate import SKIPPED_ALL, load_topology, validate_document
 from bpdkv.topology.yaml_source import parse_yaml
 from tests.conftest import DATA, ROOT
 
@@ -147,6 +147,62 @@ def test_schema_errors_do_not_hide_semantic_errors() -> None:
         assert part in joined
     # The dropped parts produce no follow-on noise: node b (unknown preset) is not checked, prefill-0 (bad tp) neither.
     assert "lists no GPUs" not in joined and "no decode instance" not in joined
+
+
+def test_parts_left_out_of_the_semantic_checks_are_named() -> None:
+    """A part that fails the schema is not silently unchecked: one warning says which checks were skipped for it."""
+    rel = "tests/data/bad/schema-and-semantic.yaml"
+    with pytest.raises(InvalidTopology) as info:
+        load_topology(ROOT / rel, rel)
+    warnings = [w.format() for w in info.value.warnings]
+    assert warnings == [
+        f"{rel}:10:9: warning: nodes[0].instances[0]: instance not checked further until its errors are fixed: "
+        "its GPU, port, P/D and capacity checks were skipped",
+        f"{rel}:14:5: warning: nodes[1]: node not checked further until its errors are fixed: "
+        "its address, SSH, EFA and instance checks were skipped",
+    ]
+    result = CliRunner().invoke(main, ["validate", str(ROOT / rel), "--output", "json"])
+    assert [(w["path"], w["line"]) for w in json.loads(result.stdout)["warnings"]] == [("nodes[0].instances[0]", 10), ("nodes[1]", 14)]
+
+
+def test_nothing_checkable_says_semantic_checks_were_skipped() -> None:
+    rel = "tests/data/bad/missing-nodes.yaml"
+    with pytest.raises(InvalidTopology) as info:
+        load_topology(ROOT / rel, rel)
+    assert [w.message for w in info.value.warnings] == [SKIPPED_ALL]
+
+
+def test_one_of_failure_is_one_line() -> None:
+    """oneOf/anyOf: the best-matching branch's error (or one combined line), never one line per branch."""
+    lines = _errors("one-of-branches.yaml")
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "router.workers: expected an integer or 'auto', got str 'fast'",
+        "router.tls.cert: str 'relative/cert.pem' is not valid; expected an absolute path",
+        "router.tls.key.secret: expected a mapping, got int 5",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("router", "line"),
+    [
+        ("{workers: 0}", "router.workers: must be >= 1, got 0"),
+        ("{admin_key: {secret: {}}}", "router.admin_key.secret: needs exactly one of: env, file, aws_secretsmanager, ssm"),
+        (
+            "{admin_key: {secret: {env: A, file: b}}}",
+            "router.admin_key.secret: needs exactly one of: env, file, aws_secretsmanager, ssm (got env and file)",
+        ),
+    ],
+)
+def test_one_of_picks_the_branch_that_fits(tmp_path: Path, router: str, line: str) -> None:
+    bad = tmp_path / "t.yaml"
+    bad.write_text(
+        f"apiVersion: bpdkv/v1\nname: t\nmodel: {{id: m/x}}\nrouter: {router}\nnodes:\n  - name: a\n    host: h\n"
+        "    hardware: generic-gpu\n    instances:\n      - {role: prefill, gpus: [0]}\n      - {role: decode, gpus: [1]}\n"
+        "      - {role: router}\n"
+    )
+    with pytest.raises(InvalidTopology) as info:
+        load_topology(bad, "t.yaml")
+    assert [text.split(": ", 1)[1] for text in info.value.lines()] == [line]
 
 
 def test_dropped_instance_keeps_original_positions(tmp_path: Path) -> None:
