@@ -21,6 +21,10 @@ log = logging.getLogger("bpdkv.router")
 
 
 def error(status: int, message: str, kind: str = "router_error") -> JSONResponse:
+    """The router's error answer. The message may quote what a client sent: whatever UTF-8 cannot encode (a lone
+    surrogate) is written as its escape, so that building the answer never fails."""
+    if not message.isascii():
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 

@@ -455,7 +455,12 @@ class Router:
                 self.metrics.upstream_errors.labels("decode", member.name, outcome.error).inc()
                 self.decode.failure(member, outcome.error)
             upstream_failed = outcome.error is not None and not outcome.error.startswith("client")
-            account.finish(200 if outcome.completed else 502 if upstream_failed else 499)
+            status = 200 if outcome.completed else 502 if upstream_failed else 499
+            if status == 499 and not account.done:
+                # The client went away mid-stream: its write failed ("client …"), or the watcher cancelled the
+                # relay (no error). The disconnects before a response started are counted in _serve_completion.
+                self.metrics.disconnects.inc()
+            account.finish(status)
             if not outcome.completed:
                 return
             if keep:

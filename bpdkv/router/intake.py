@@ -4,13 +4,20 @@ sanitising it (client kv_transfer_params and session fields never reach vLLM). E
 
 Strict JSON: the fast parser (orjson) takes standard JSON only; what it refuses is re-read by the standard library only
 to say exactly what is wrong — a non-standard number (NaN, Infinity), a number beyond a double (1e400), invalid Unicode
-(a lone surrogate escape, with the field's path), nesting past the limit — and always refused. Integers the router itself
-packs (token ids) must fit vLLM's int64 and be non-negative; the top-level integer fields must fit int64.
+(a lone surrogate escape in a value or a key, at any depth, with its path), nesting past the limit — and always refused.
+orjson reads an integer beyond 64 bits as a float (-9223372036854775809 → -9.223372036854776e+18): a body with a run of
+19 digits or more (the only way to write one) is read by the standard library instead, so every integer is the exact
+one the client sent — the range checks below judge it, and what the router forwards is what was sent. An integer of
+more than 40 digits is refused at any depth (with its path) without being converted. The integer fields vLLM reads
+(`INT_FIELDS`, top-level integers in general) must fit int64, `n` must be positive, and token ids (`prompt`,
+`stop_token_ids`, `allowed_token_ids`) must be from 0 to 2^63-1: else 400 naming the field.
 
 Slow clients: the body must arrive within `client_timeouts.body` seconds (408, connection closed); the header within
 `client_timeouts.header` seconds of the connection (or of the previous response), enforced by `http_protocol()` — the
 uvicorn httptools protocol with that one timer added (uvicorn itself bounds only the idle keep-alive wait, which any
-byte ends: a client sending half a header was held forever).
+byte ends: a client sending half a header was held forever). The same protocol bounds the request head's size
+(`max_header_bytes`): a larger head gets 431 and the connection is closed, having held at most the limit plus one read
+of it (httptools itself buffers a header of any size).
 """
 
 from __future__ import annotations
@@ -31,6 +38,32 @@ COMPLETIONS = "/v1/completions"
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# The integer fields vLLM reads from a request (its protocol's ints: the seed is an int64 by declaration, the others
+# end in int64 tensors or Python ints compared against lengths); vLLM itself judges their meaning (max_tokens ≥ 1 …).
+INT_FIELDS = frozenset(
+    {
+        "seed",
+        "n",
+        "best_of",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "top_k",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "priority",
+        "truncate_prompt_tokens",
+    }
+)
+TOKEN_ID_LISTS = ("stop_token_ids", "allowed_token_ids")  # besides `prompt`
+MAX_INT_DIGITS = 40  # longer integer literals are refused without being converted (int() of thousands of digits costs)
+PATH_PART_MAX = 40  # characters of one key shown in a path
+# A bytes → bytes table that keeps digits and turns everything else into a space: a 19-digit run is then a substring.
+# orjson is exact on integers from -2^63 to 2^64-1; beyond, it returns a float. Any integer it cannot hold is written with
+# at least 19 digits (-9223372036854775809): a body without a run of 19 digits (in a number or not) needs no second look.
+_DIGITS_ONLY = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
+_LONG_RUN = b"0" * 19
 
 
 class ClientGone(Exception):
@@ -48,6 +81,15 @@ class _NonStandard(ValueError):
     pass
 
 
+class _HugeInt:
+    """An integer literal of more than MAX_INT_DIGITS digits, kept unconverted until its path is reported."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
 def _constant(name: str) -> Any:
     raise _NonStandard(f"request body has the non-standard number {name} (JSON numbers are finite)")
 
@@ -59,52 +101,86 @@ def _float(text: str) -> float:
     return value
 
 
+def _int(text: str) -> int | _HugeInt:
+    return int(text) if len(text) <= MAX_INT_DIGITS else _HugeInt(len(text.lstrip("-")))
+
+
+def _shown(part: str) -> str:
+    """One key as a path shows it: ASCII-safe (a lone surrogate as its escape), at most PATH_PART_MAX characters."""
+    if len(part) > PATH_PART_MAX:
+        part = part[:PATH_PART_MAX] + f"...({len(part)} characters)"
+    if part.isascii() and part.isprintable():
+        return part
+    return part.encode("ascii", "backslashreplace").decode("ascii")
+
+
 def _path(parts: list[str | int]) -> str:
     out = ""
     for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+        out += f"[{part}]" if isinstance(part, int) else (f".{_shown(part)}" if out else _shown(part))
     return out or "(body)"
 
 
-def invalid_unicode_path(value: Any) -> str | None:
-    """The path of the first string (or key) holding a lone surrogate, or None (iterative: bounded by the body)."""
+def bad_value(value: Any) -> str | None:
+    """What is wrong with the first bad string, key or integer of a parsed body, with its path; None if nothing
+    (iterative: bounded by the body, not the stack)."""
     stack: list[tuple[Any, list[str | int]]] = [(value, [])]
     while stack:
         item, where = stack.pop()
         if isinstance(item, str):
             if _SURROGATE.search(item):
-                return _path(where)
+                return f"{_path(where)}: invalid Unicode (a lone surrogate escape); send UTF-8 text"
         elif isinstance(item, dict):
             for k, v in item.items():
                 if _SURROGATE.search(k):
-                    return _path([*where, k]) + " (key)"
+                    return f"{_path([*where, k])} (a key): invalid Unicode (a lone surrogate escape); send UTF-8 text"
                 stack.append((v, [*where, k]))
         elif isinstance(item, list):
             stack.extend((v, [*where, i]) for i, v in enumerate(item))
+        elif isinstance(item, _HugeInt):
+            return f"{_path(where)}: an integer of {item.digits} digits is out of range (integers must fit in 64 bits)"
     return None
 
 
+def invalid_unicode_path(value: Any) -> str | None:
+    """The path of the first string (or key) holding a lone surrogate, or None."""
+    problem = bad_value(value)
+    return None if problem is None or "invalid Unicode" not in problem else problem.split(": invalid Unicode")[0]
+
+
+def _exact_loads(raw: bytes) -> Any:
+    """The standard library's reading of a body: integers exact, non-standard numbers refused."""
+    return json.loads(raw, parse_constant=_constant, parse_float=_float, parse_int=_int)
+
+
 def strict_loads(raw: bytes, max_depth: int) -> Any:
-    """Standard JSON only; anything else is a BadRequest naming what is wrong."""
+    """Standard JSON only, every integer exact; anything else is a BadRequest naming what is wrong."""
+    accepted = False
     try:
-        return orjson.loads(raw)
+        value = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        pass
-    # orjson refused it: read it again only to say why (nothing orjson refuses is accepted).
+        pass  # orjson refused it: read it again below only to say why (nothing orjson refuses is accepted)
+    else:
+        if _LONG_RUN not in raw.translate(_DIGITS_ONLY):
+            return value  # no integer beyond orjson's exact range can be in it: the fast path
+        accepted = True
     try:
-        value = json.loads(raw, parse_constant=_constant, parse_float=_float)
+        value = _exact_loads(raw)
     except _NonStandard as exc:
         raise BadRequest(400, str(exc), "nonstandard_number") from None
     except RecursionError:
         raise BadRequest(400, f"request body nests deeper than {max_depth} levels", "too_deep") from None
     except ValueError:  # UnicodeDecodeError included: bytes that are not UTF-8
         raise BadRequest(400, "request body is not valid JSON", "invalid_json") from None
-    where = invalid_unicode_path(value)
-    if where is not None:
-        raise BadRequest(400, f"{where}: invalid Unicode (a lone surrogate escape); send UTF-8 text", "invalid_unicode")
+    problem = bad_value(value)
+    if problem is not None:
+        reason = "invalid_unicode" if "invalid Unicode" in problem else "out_of_range"
+        raise BadRequest(400, problem, reason)
     if json_depth_exceeds(value, max_depth):
         raise BadRequest(400, f"request body nests deeper than {max_depth} levels", "too_deep")
-    raise BadRequest(400, "request body is not valid JSON", "invalid_json")  # e.g. integers orjson cannot hold
+    if accepted:
+        return value
+    raise BadRequest(400, "request body is not valid JSON", "invalid_json")
 
 
 def json_depth_exceeds(value: Any, limit: int) -> bool:
@@ -166,8 +242,16 @@ def shape_problem(route: str, body: dict[str, Any]) -> str | None:
     if n is not None and (type(n) is not int or n < 1):
         return "'n' must be a positive integer"
     for key, value in body.items():
+        # Exact integers (strict_loads): the value checked is the one the client sent. A float where vLLM reads an
+        # integer is vLLM's to judge, unless no 64-bit integer could be it.
         if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            return f"'{_path([key])}' is out of range (integers must fit in 64 bits)"
+        if type(value) is float and key in INT_FIELDS and not INT64_MIN <= value <= INT64_MAX:
             return f"'{key}' is out of range (integers must fit in 64 bits)"
+    for key in TOKEN_ID_LISTS:
+        ids = body.get(key)
+        if isinstance(ids, list) and not all(0 <= t <= INT64_MAX for t in ids if type(t) is int):
+            return f"'{key}' token ids must be integers from 0 to 2^63-1"
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -213,19 +297,39 @@ def sanitize(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return clean, session
 
 
-# ---- slow headers -----------------------------------------------------------------------------------------------
-def http_protocol(header_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a header-read timeout: a connection whose request head is not complete within
-    header_timeout seconds of the connection (or of the first byte after a response) gets 408 and is closed."""
+# ---- slow and large heads ---------------------------------------------------------------------------------------
+HEAD_LINGER_S = 1.0  # after a 431: how long the rest of the head is read and dropped before the connection closes
+
+
+def _refusal(status: str, message: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": int(status[:3])}}).encode()
+    head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTER_DEFAULTS["max_header_bytes"]) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a header-read timeout and a head size limit.
+
+    Timeout: a connection whose request head is not complete within header_timeout seconds of the connection (or of the
+    first byte after a response) gets 408 and is closed.
+
+    Size: httptools buffers a header line of any length before uvicorn sees it, so the head is measured here, by the
+    reads that carry it: a head still incomplete after more than max_header_bytes, or complete and larger (the request
+    line and header lines as parsed), gets 431 and the connection is closed — at most the limit plus one read held.
+    The refusal goes out with a half close, then what the client still sends is read and dropped for up to
+    HEAD_LINGER_S (closing with unread bytes would reset the connection, and the client could lose the 431)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    response = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-    message = json.dumps(
-        {"error": {"message": f"request header not received within {header_timeout:g} s", "type": "invalid_request_error", "code": 408}}
-    ).encode()
+    timed_out = _refusal("408 Request Timeout", f"request header not received within {header_timeout:g} s")
+    too_large = _refusal("431 Request Header Fields Too Large", f"request header is over the router's limit of {max_header_bytes} bytes")
 
-    class HeaderTimeoutProtocol(HttpToolsProtocol):
+    class HeaderLimitsProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _head_open = True  # the current (or next) request head is not complete yet
+        _head_seen = 0  # bytes read while it was incomplete, the read that completes it excepted
+        _read = 0  # length of the read being parsed
+        _restarted = False  # a message ended within the read being parsed (the next head began inside it)
+        _refused = False
 
         def _arm(self) -> None:
             if self._header_timer is None:
@@ -242,23 +346,77 @@ def http_protocol(header_timeout: float) -> type[asyncio.Protocol]:
                 self._arm()  # a pipelined head behind a response still being written: judged once that one is done
                 return
             if not self.transport.is_closing():
-                self.transport.write(response % (len(message), message))
+                self.transport.write(timed_out)
                 self.transport.close()
+
+        def _refuse_head(self) -> None:
+            self._refused = True
+            self._disarm()
+            transport = self.transport
+            if transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                transport.close()  # a pipelined head behind a response being written: no room for a 431
+                return
+            transport.write(too_large)
+            if transport.can_write_eof():
+                transport.write_eof()
+                self.loop.call_later(HEAD_LINGER_S, transport.close)
+            else:
+                transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # the rest of a refused head: dropped until the linger ends
+            self._read, self._restarted = len(data), False
+            super().data_received(data)
+            if self._head_open and not self._refused:
+                if not self._restarted:  # a read that ended a message and began the next head is not counted
+                    self._head_seen += len(data)
+                if self._head_seen > max_header_bytes:
+                    self._refuse_head()
+
         def on_message_begin(self) -> None:
+            if self._refused:
+                return
             super().on_message_begin()
             self._arm()
 
+        def on_url(self, url: bytes) -> None:
+            if not self._refused:
+                super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self._refused:
+                super().on_header(name, value)
+
         def on_headers_complete(self) -> None:
+            if self._refused:
+                return
             self._disarm()
+            seen, self._head_open, self._head_seen = self._head_seen + self._read, False, 0
+            if seen > max_header_bytes:  # the reads could hold a head over the limit: measure the parsed one
+                size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+                if size > max_header_bytes:
+                    self._refuse_head()
+                    return
             super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self._refused:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            self._head_open, self._restarted = True, True
+            if not self._refused:
+                super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-    return HeaderTimeoutProtocol
+    return HeaderLimitsProtocol

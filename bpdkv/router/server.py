@@ -114,8 +114,9 @@ def serve_one(config: RouterConfig, log_level: str, reuse_port: bool = False) ->
         # Named, not "auto": the relay writes D's bytes to httptools-protocol transports (relay._direct_cycle), and
         # uvloop runs the loop; a missing one is an install error, not a silent slow path.
         loop="uvloop",
-        # httptools' protocol with a header-read timeout (slow clients get 408 and are closed): router/intake.py.
-        http=http_protocol(config.client_timeouts.header),
+        # httptools' protocol with a header-read timeout (slow clients get 408 and are closed) and a head size limit (431):
+        # router/intake.py.
+        http=http_protocol(config.client_timeouts.header, config.max_header_bytes),
     )
     if config.tls_cert_file and config.tls_key_file:
         uvicorn_tls(uv_config, ReloadingTLS(config.tls_cert_file, config.tls_key_file))
@@ -131,7 +132,7 @@ def _worker_sync(config: RouterConfig, router: Any) -> Any:
     from bpdkv.router.security import redis_options
     from bpdkv.router.workers import WorkerSync
 
-    if not config.state.startswith(("redis://", "rediss://", "unix://")):
+    if not config.state.startswith(("redis://", "rediss://", "redis+sentinel://", "rediss+sentinel://", "unix://")):
         return None
     redis = RespClient(config.state, 1.0, **redis_options(config.state_password_file, config.state_ca_file))
     return WorkerSync.from_env(redis, [router.prefill, router.decode], router._session, config.health.check_timeout)
