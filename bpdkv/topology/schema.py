@@ -91,7 +91,7 @@ def _message(error: ValidationError) -> tuple[PathKey, str]:
         what = {
             "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$": "lowercase letters, digits and '-' (a DNS label, used in unit names)",
             "^/": "an absolute path",
-            "^(memory|rediss?://.+)$": "'memory' or a redis:// URL",
+            r"^(memory|rediss?(\+sentinel)?://.+)$": "'memory', a redis:// URL or a redis+sentinel:// URL",
             "^[A-Za-z_][A-Za-z0-9_]*$": "a shell variable name",
         }.get(str(error.validator_value), f"matching {error.validator_value}")
         return path, f"{_describe(error.instance)} is not valid; expected {what}"
