@@ -6,6 +6,7 @@ cannot leave one side speaking an old name.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from typing import Any, Final
 
@@ -106,6 +107,35 @@ DEFAULT_PULL_DECISION: Final = PULL_DECISION_COST
 # live decodes (their KV grows every step) and for the next turns' prefills it pulls from P; held blocks beyond a
 # half only raise reuse hits for conversations idle long enough that P's own cache covers most of them.
 DEFAULT_HOLD_BUDGET: Final = 0.5
+
+# ---- the router's reuse signals (bpdkv/router/metrics.py), read back by `bpdkv tune` (bpdkv/tune.py) ------------------
+TURN_GAP_METRIC: Final = "bpdkv_router_turn_gap_seconds"  # histogram: end of turn k's answer → arrival of turn k+1
+REUSE_MISSES_METRIC: Final = "bpdkv_router_reuse_misses"  # counter (Prometheus adds _total), label `cause`
+REUSE_OUTCOME_METRIC: Final = "bpdkv_router_reuse"  # counter, label `outcome` (hit, partial, miss, ...)
+# Seconds to 1 h: think time of chat users (tens of s) to agent loops paused on a tool or a human (tens of min).
+TURN_GAP_BUCKETS: Final = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240, 300, 360, 420, 480, 600, 720, 900, 1200, 1800, 2700, 3600)
+# How long the router remembers when a conversation's turn ended (beyond its stored D location), so a turn arriving
+# after the TTL is still seen — counted `expired`, its gap measured — up to the histogram's last bucket.
+TURN_END_HORIZON_S: Final = 3600.0
+
+
+class MissCause(str, enum.Enum):
+    """Why a continued turn (one that extends a stored conversation) did not reuse D's KV: the label of
+    bpdkv_router_reuse_misses. First turns are not misses (nothing could have been stored)."""
+
+    EXPIRED = "expired"  # the turn came after the stored location's TTL (router), or P found D's hold expiring
+    RELEASED = "released"  # D let the hold go before its TTL (hold budget or memory pressure)
+    RESTARTED = "restarted"  # the holding D restarted, was drained, ejected as unhealthy, or left the fleet
+    NOTHING_STORED = "nothing_stored"  # no location stored for this history (D returned none, or the turn before was last)
+    CONSUMED = "consumed"  # an earlier request of the same history took the location (a retried or regenerated turn)
+    OTHER_HISTORY = "other_history"  # the session id's entry belongs to another history (left alone)
+    OTHER_GENERATION = "other_generation"  # the holding D is of another P/D generation than the P available
+    REFUSED_PIN = "refused_pin"  # P's pin on D's hold was refused or unanswered, or the pull was unverifiable
+    MISMATCH = "mismatch"  # D's blocks did not match the prompt (P's digest check)
+    PULL_FAILED = "pull_failed"  # P failed while pulling; the turn was computed instead
+    COMPUTED = "computed"  # P decided to compute (predicted faster than the pull, its own cache, under the threshold)
+    STORE_UNAVAILABLE = "store_unavailable"  # the session store (Redis) failed
+
 
 # ---- HTTP headers and request fields (lower case: ASGI and aiohttp give lower-case names) ---------------------------
 SESSION_HEADER: Final = "x-session-id"

@@ -15,6 +15,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from bpdkv import contracts
+
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -120,6 +122,19 @@ class RouterMetrics:
         self.store_errors = Counter("bpdkv_router_store_errors", "Session store (Redis) failures; served without reuse", registry=r)
         self.disconnects = Counter("bpdkv_router_client_disconnects", "Clients that went away mid-request", registry=r)
         self.in_flight = Gauge("bpdkv_router_in_flight", "Client requests in flight", registry=r, multiprocess_mode="livesum")
+        # The signals `bpdkv tune` reads (docs/operations.md, Tuning): how long users take between turns, and why a
+        # continued turn did not reuse D's KV.
+        self.turn_gap = Histogram(
+            contracts.TURN_GAP_METRIC,
+            "Seconds from the end of a conversation's turn (its location stored) to the arrival of its next turn",
+            buckets=contracts.TURN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.reuse_misses = Counter(
+            contracts.REUSE_MISSES_METRIC, "Continued turns that did not reuse D's KV, by cause", ["cause"], registry=r
+        )
+        for cause in contracts.MissCause:  # every cause exported from the start (0), so rates exist before a miss
+            self.reuse_misses.labels(cause.value)
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
@@ -129,6 +144,13 @@ class RouterMetrics:
         if got is None:
             got = self._children[key] = metric.labels(*labels)
         return got
+
+    def miss(self, cause: contracts.MissCause) -> None:
+        self.child(self.reuse_misses, cause.value).inc()
+
+    def gap(self, seconds: float) -> None:
+        if seconds >= 0:  # a clock stepped back: no measurement
+            self.turn_gap.observe(seconds)
 
     def exposition(self) -> bytes:
         """The text /metrics answers: this router's registry, or every worker's values in multiprocess mode."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bpdkv import contracts
+from bpdkv.contracts import MissCause
 from bpdkv.router import paths, sessions
 from bpdkv.router.config import RouterConfig
 from bpdkv.router.metrics import RouterMetrics
@@ -53,14 +54,17 @@ class ReusePolicy:
             return None, Reuse.MISS  # first turn: nothing could have been stored yet
         now = self.clock()
         seen: list[Reuse] = []
+        ended: list[float] = []  # when the turns of this history's entries ended (the turn gap metric)
 
         def judge(entry: sessions.SessionEntry) -> Verdict:
             if entry.expires_at <= now:
                 seen.append(Reuse.EXPIRED)
+                ended.append(entry.stored_at)
                 return Verdict.DROP
             if not ident.covers(entry):
                 seen.append(Reuse.MISMATCH)
                 return Verdict.LEAVE  # another conversation's: neither consumed nor touched
+            ended.append(entry.stored_at)
             holder = self.decode.member(entry.decode)
             if holder is None or not holder.holds(entry.params.get(contracts.REMOTE_ENGINE_ID), entry.stored_at):
                 seen.append(Reuse.REFUSED)
@@ -69,20 +73,36 @@ class ReusePolicy:
 
         try:
             entry, _ = await self.store.take(list(ident.lookup_keys), judge, ident.accepted_histories())
+            if entry is None and not seen:  # gone from the store: its end, kept longer, says why (and the gap)
+                end = await self.store.turn_end(list(ident.lookup_keys))
+                if end is not None:
+                    ended.append(end[0])
+                    seen.append(Reuse.EXPIRED if end[1] <= now else Reuse.MISS)
         except sessions.StoreUnavailable:
             self.metrics.store_errors.inc()
+            self.metrics.miss(MissCause.STORE_UNAVAILABLE)
             return None, Reuse.UNAVAILABLE
+        if ended:
+            self.metrics.gap(now - max(ended))
         if entry is not None:
             try:
                 if await self.store.is_released(release_key(entry.decode, entry.params.get(contracts.REMOTE_REQUEST_ID))):
+                    self.metrics.miss(MissCause.RELEASED)
                     return None, Reuse.REFUSED  # D gave those blocks up (hold budget): they may hold others' KV now
             except sessions.StoreUnavailable:
                 self.metrics.store_errors.inc()
+                self.metrics.miss(MissCause.STORE_UNAVAILABLE)
                 return None, Reuse.UNAVAILABLE  # cannot tell: never risk another conversation's KV
             return entry, ident.outcome_of(entry)
-        for outcome in (Reuse.REFUSED, Reuse.EXPIRED, Reuse.MISMATCH):
+        for outcome, cause in (
+            (Reuse.REFUSED, MissCause.RESTARTED),
+            (Reuse.EXPIRED, MissCause.EXPIRED),
+            (Reuse.MISMATCH, MissCause.OTHER_HISTORY),
+        ):
             if outcome in seen:
+                self.metrics.miss(cause)
                 return None, outcome
+        self.metrics.miss(MissCause.CONSUMED if ended else MissCause.NOTHING_STORED)
         return None, Reuse.MISS
 
     async def remember(self, ident: sessions.Identity, body: dict[str, Any], reply: Reply, decode: str) -> None:

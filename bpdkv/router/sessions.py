@@ -28,6 +28,9 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Protocol
 
+from bpdkv import contracts
+from bpdkv.contracts import MissCause
+
 log = logging.getLogger("bpdkv.router")
 
 TOKEN_BLOCK = 64  # token-id prompts are matched at 64-token boundaries
@@ -235,6 +238,33 @@ _PULL_SETTLES: dict[str, Reuse] = {
 }
 # Outcomes after which P may have read D's blocks; with any other, nothing of D's was read.
 _MAY_HAVE_READ = frozenset({"verified", "cut", "unverified_allowed"})
+# The same outcomes as causes of a miss (bpdkv_router_reuse_misses). A lapsed pin is the read's lease running out, not
+# D's TTL: it is not counted `expired` (which `bpdkv tune` reads as "the TTL is too short").
+_PULL_CAUSES: dict[str, MissCause] = {
+    "mismatch": MissCause.MISMATCH,
+    "expiring": MissCause.EXPIRED,
+    "pin_lapsed": MissCause.REFUSED_PIN,
+    "released": MissCause.RELEASED,
+    "pin_busy": MissCause.REFUSED_PIN,
+    "pin_unanswered": MissCause.REFUSED_PIN,
+    "unfenced_refused": MissCause.REFUSED_PIN,
+    "unverified_refused": MissCause.REFUSED_PIN,
+}
+assert set(_PULL_CAUSES) == set(_PULL_SETTLES)
+
+
+def settle_cause(pull_outcome: object, fell_back: bool, pulled_tokens: object = None) -> MissCause | None:
+    """Why a turn that offered P a stored D location did not reuse it, from P's answer; None when it did (or P says
+    nothing that tells). Kept in step with settle(): a cause exactly where settle() turns a hit into something else."""
+    if fell_back:
+        return MissCause.PULL_FAILED
+    if isinstance(pull_outcome, str) and pull_outcome in _PULL_CAUSES:
+        return _PULL_CAUSES[pull_outcome]
+    if type(pulled_tokens) is int:
+        return None if pulled_tokens > 0 else MissCause.COMPUTED
+    if isinstance(pull_outcome, str) and pull_outcome not in _MAY_HAVE_READ:
+        return MissCause.COMPUTED
+    return None
 
 
 def settle(predicted: Reuse, pull_outcome: object, fell_back: bool, pulled_tokens: object = None) -> Reuse:
@@ -364,6 +394,11 @@ class SessionStore(Protocol):
 
     async def is_released(self, key: str) -> bool: ...
 
+    async def turn_end(self, keys: list[str]) -> tuple[float, float] | None:
+        """(ended_at, expires_at) of the latest turn stored under one of keys within TURN_END_HORIZON_S, whether or
+        not its entry is still there: put() records it beside the entry and keeps it after the entry is gone."""
+        ...
+
     async def count(self) -> int: ...
 
     async def close(self) -> None: ...
@@ -375,6 +410,7 @@ class MemoryStore:
     def __init__(self, max_entries: int = 200_000, clock: Callable[[], float] = time.time) -> None:
         self._data: dict[str, SessionEntry] = {}
         self._released: dict[str, float] = {}  # key -> until (router clock)
+        self._ends: dict[str, tuple[float, float]] = {}  # key -> (ended_at, expires_at) of its latest turn
         self._max = max_entries
         self._clock = clock
 
@@ -396,10 +432,23 @@ class MemoryStore:
                 return False
         self._data.pop(key, None)
         self._data[key] = entry
+        self._note_end(key, entry)
         self._purge_front()
         if len(self._data) > self._max:
             self._evict()
         return True
+
+    def _note_end(self, key: str, entry: SessionEntry) -> None:
+        self._ends.pop(key, None)
+        self._ends[key] = (entry.stored_at, entry.expires_at)
+        horizon = self._clock() - contracts.TURN_END_HORIZON_S
+        while self._ends and (len(self._ends) > self._max or next(iter(self._ends.values()))[0] <= horizon):
+            del self._ends[next(iter(self._ends))]
+
+    async def turn_end(self, keys: list[str]) -> tuple[float, float] | None:
+        horizon = self._clock() - contracts.TURN_END_HORIZON_S
+        found = [end for end in (self._ends.get(k) for k in keys) if end is not None and end[0] > horizon]
+        return max(found, default=None)
 
     def _purge_front(self, budget: int = 32) -> None:
         """Abandoned conversations never come back for their entry: drop expired ones from the old end, a few per put."""
@@ -501,6 +550,7 @@ class RedisStore:
 
     PREFIX = "bpdkv:s:"
     RELEASED = "bpdkv:r:"
+    ENDS = "bpdkv:e:"  # key -> "ended_at expires_at" of its latest turn, kept TURN_END_HORIZON_S (the gap metric)
 
     def __init__(self, url: str, timeout: float = 0.25, **options: Any) -> None:
         from bpdkv.router.resp import RespClient
@@ -525,8 +575,38 @@ class RedisStore:
         px = max(int(ttl * 1000), 1)
         value = _encode(entry)
         args: tuple[Any, ...] = ("SET", self.PREFIX + key, value, "PX", px)
-        done = await self._call(self._redis.execute(*args, "NX") if only_if_absent else self._redis.execute(*args))
-        return done is not None
+        end: tuple[Any, ...] = (
+            "SET",
+            self.ENDS + key,
+            f"{entry.stored_at!r} {entry.expires_at!r}".encode(),
+            "PX",
+            int(contracts.TURN_END_HORIZON_S * 1000),
+        )
+        if only_if_absent:
+            done = await self._call(self._redis.execute(*args, "NX"))
+            if done is not None:
+                await self._call(self._redis.execute(*end))
+            return done is not None
+        answers = await self._call(self._redis.pipeline([args, end]))  # one round trip: the entry and its turn's end
+        from bpdkv.router.resp import RespError
+
+        failed = next((a for a in answers if isinstance(a, RespError)), None)
+        if failed is not None:
+            raise StoreUnavailable(f"RespError: {failed}")
+        return True
+
+    async def turn_end(self, keys: list[str]) -> tuple[float, float] | None:
+        if not keys:
+            return None
+        values = await self._call(self._redis.execute("MGET", *[self.ENDS + k for k in keys]))
+        found: list[tuple[float, float]] = []
+        for value in values or ():
+            try:
+                ended, expires = (float(x) for x in bytes(value).split())
+            except (TypeError, ValueError):
+                continue  # absent (None) or not ours
+            found.append((ended, expires))
+        return max(found, default=None)
 
     async def take(
         self, keys: list[str], judge: Callable[[SessionEntry], Verdict], accepts: frozenset[str] | None = None

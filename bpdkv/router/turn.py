@@ -20,6 +20,7 @@ from bpdkv import contracts
 from bpdkv.router import jsonbytes
 from bpdkv.router.config import Timeouts
 from bpdkv.router.metrics import RouterMetrics
+from bpdkv.router.sessions import settle_cause
 from bpdkv.router.upstream_http import Answer, BodySink, EndSink, UpstreamClient, UpstreamFailure, UpstreamStream
 from bpdkv.router.upstreams import Lease, Pool, Upstream
 from bpdkv.turn_client import decode_body, params_of, prefill_body
@@ -173,6 +174,7 @@ class PdTurn:
     ) -> Prefilled | Passthrough | NoUpstream:
         last = "no prefill upstream available"
         fell_back = False
+        offered = d_params is not None
         for member in self.attempts(self.prefill_pool, affinity):
             while True:
                 got = await self._prefill_once(member, route, body, d_params, headers, salt)
@@ -197,6 +199,10 @@ class PdTurn:
             outcome = params.get(contracts.PULL_OUTCOME) if params else None
             if isinstance(outcome, str):  # P's connector says what became of D's blocks (verified, cut, mismatch …)
                 self.metrics.pull_outcomes.labels(outcome).inc()
+            if offered:  # a stored location went to P: did P reuse it, and if not, why (bpdkv tune reads the causes)
+                cause = settle_cause(outcome, fell_back, params.get(contracts.PULLED_TOKENS) if params else None)
+                if cause is not None:
+                    self.metrics.miss(cause)
             return Prefilled(params, member, fell_back)
         return NoUpstream(f"no prefill upstream succeeded ({last})")
 
