@@ -362,6 +362,9 @@ def status(fleet: Fleet, parallel: int, connect: ConnectorFactory | None = None,
 # ---- destroy ---------------------------------------------------------------------------------------------------------
 
 
+REMOVAL_GENERATION = "0" * 12
+
+
 def removal_plan(fleet: Fleet, keep_packages: bool) -> Plan:
     """destroy as a plan: stop the manifest's units, delete exactly its files, then clean up what bpdkv made."""
     hosts: list[HostPlan] = []
@@ -378,11 +381,11 @@ def removal_plan(fleet: Fleet, keep_packages: bool) -> Plan:
         operations += [ops.DeleteFile(p) for p in paths]
         operations.append(ops.DaemonReload())
         operations += _cleanup(manifest, paths, keep_packages)
+        operations = ops.stage_operations(REMOVAL_GENERATION, fleet.topology.name, operations)
         files = [FileChange(p, FileAction.DELETE, 0, None) for p in paths]
         units = [UnitAction(u, u, "removed", UnitVerb.STOP, "destroy") for u in manifest.get("units", [])]
         hosts.append(HostPlan(node.name, node.host, True, None, files, True, units, facts_digest(facts), operations=operations))
-    generation = "0" * 12
-    return Plan(fleet.topology.name, generation, "", False, [], hosts, [], source_digest())
+    return Plan(fleet.topology.name, REMOVAL_GENERATION, "", False, [], hosts, [], source_digest())
 
 
 def _cleanup(manifest: dict[str, Any], paths: list[str], keep_packages: bool) -> list[ops.Operation]:

@@ -6,10 +6,19 @@ File operations carry only the content's sha256; the runner takes the content fr
 
 from __future__ import annotations
 
+import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
+
+from bpdkv.deploy.facts import BACKUP_DIR, DIRTY_PATH, LOCK_PATH, MANIFEST_PATH
+
+STATE_DIR = "/var/lib/bpdkv"
+TMP_SUFFIX = ".bpdkv-new"  # a staged file beside its target, renamed into place by the commit
+PART = ".bpdkv-part"  # a backup copy being written; only a verified copy is renamed to its final name
+KEEP_BACKUPS = 3
 
 
 class Undo(str, Enum):
@@ -20,6 +29,9 @@ class Undo(str, Enum):
     UNDRAIN = "undrain the instance on the router"
     NONE = "nothing to undo (read-only or idempotent)"
     NOT_UNDONE = "not undone: packages stay installed (idempotent; the next apply reinstalls what the plan wants)"
+    RESTORE_BACKUP = "run the restore script: every backed-up file back, every created file removed, then daemon-reload"
+    UNLOCK = "released by the host's unlock operation, whatever happened"
+    REMOVE_STAGED = "the staged copies are removed at the end, whatever happened"
 
 
 @dataclass(frozen=True)
@@ -153,14 +165,133 @@ class RunCommand:
 
 @dataclass(frozen=True)
 class WriteManifest:
+    """Last on a host that succeeded: `content` (what the host now runs) staged beside the manifest and renamed over it,
+    the dirty marker removed, only the newest KEEP_BACKUPS backup folders kept."""
+
     generation: str
     sha256: str
+    content: str = ""
     op = "manifest"
     undo = Undo.NONE
 
+    def mkdir_command(self) -> str:
+        return f"mkdir -p {shlex.quote(MANIFEST_PATH.rsplit('/', 1)[0])}"
+
+    def command(self) -> str:
+        return (
+            f"mv -f {MANIFEST_PATH}{TMP_SUFFIX} {MANIFEST_PATH} && rm -f {DIRTY_PATH} && "
+            f'{{ [ -d {BACKUP_DIR} ] && ls -1t {BACKUP_DIR} | tail -n +{KEEP_BACKUPS + 1} | while read -r d; do rm -rf {BACKUP_DIR}/"$d"; done; true; }}'
+        )
+
+
+@dataclass(frozen=True)
+class Lock:
+    """Take the host's apply lock before anything is written anywhere; refused (exit 3, the holder's record printed)
+    when another apply holds it. The record names the applying process (`owner`, known only when apply runs, like an
+    upload's content) and when it started (the host's clock)."""
+
+    path: str
+    topology: str
+    generation: str
+    op = "lock"
+    undo = Undo.UNLOCK
+
+    def command(self, owner: str) -> str:
+        sentinel = "@started@"
+        record = json.dumps(
+            {"owner": owner, "pid": owner.rsplit(" ", 1)[-1], "started": sentinel, "topology": self.topology, "generation": self.generation}
+        )
+        head, tail = record.split(json.dumps(sentinel))
+        folder = shlex.quote(self.path.rsplit("/", 1)[0] or "/")
+        path = shlex.quote(self.path)
+        return (
+            f'mkdir -p {folder} && ( set -C; printf \'%s"%s"%s\\n\' {shlex.quote(head)} "$(date -u +%Y-%m-%dT%H:%M:%SZ)" '
+            f"{shlex.quote(tail)} > {path} ) 2>/dev/null || {{ cat {path}; exit 3; }}"
+        )
+
+
+@dataclass(frozen=True)
+class Unlock:
+    """Release the lock, only if it is still ours (a missing one, removed by --force-unlock elsewhere, is fine)."""
+
+    path: str
+    op = "unlock"
+    undo = Undo.NONE
+
+    def command(self, owner: str) -> str:
+        mine = shlex.quote(f'"owner": {json.dumps(owner)}')
+        path = shlex.quote(self.path)
+        return f"if grep -qF {mine} {path} 2>/dev/null; then rm -f {path}; fi"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Before the uploads: the folders of the new files and of each started unit's working directory (WorkingDirectory=
+    must exist), and each secret's staged copy made empty and 0600 before its upload fills it (never readable by others,
+    not even briefly). The uploads then write each file beside its target (`path` + TMP_SUFFIX)."""
+
+    folders: tuple[str, ...]
+    secret_temps: tuple[str, ...]
+    op = "stage"
+    undo = Undo.REMOVE_STAGED
+
+    def commands(self) -> list[str]:
+        out = []
+        if self.folders:
+            out.append("mkdir -p " + " ".join(shlex.quote(d) for d in self.folders))
+        if self.secret_temps:
+            temps = " ".join(shlex.quote(t) for t in self.secret_temps)
+            out.append(f'umask 077 && for f in {temps}; do rm -f "$f" && : > "$f"; done')
+        return out
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Back up, verify the staged files and rename them into place: `script`, one round trip (see commit_script), and
+    the `restore` script that undoes it (see restore_function). Both are rendered by the planner, saved with the plan."""
+
+    backup: str
+    paths: tuple[str, ...]
+    script: str
+    restore: str
+    op = "commit"
+    undo = Undo.RESTORE_BACKUP
+
+
+@dataclass(frozen=True)
+class MarkDirty:
+    """Run only when a rollback fails: the marker makes every later plan show the host and apply repair it."""
+
+    path: str
+    text: str
+    op = "dirty marker"
+    undo = Undo.NONE
+
+    def command(self) -> str:
+        folder = shlex.quote(self.path.rsplit("/", 1)[0] or "/")
+        return f"mkdir -p {folder} && printf '%s\\n' {shlex.quote(self.text)} > {shlex.quote(self.path)}"
+
+
+@dataclass(frozen=True)
+class RemoveStaged:
+    """Last, whatever happened: the staged copies still left (a failed upload or commit, the manifest's)."""
+
+    paths: tuple[str, ...]
+    op = "remove staged"
+    undo = Undo.NONE
+
+    def command(self) -> str:
+        return "rm -f " + " ".join(shlex.quote(p) for p in self.paths)
+
 
 Operation = (
-    InstallSystemPackages
+    Lock
+    | Unlock
+    | Stage
+    | Commit
+    | MarkDirty
+    | RemoveStaged
+    | InstallSystemPackages
     | InstallPackages
     | UploadFile
     | DeleteFile
@@ -186,6 +317,12 @@ _BY_NAME: dict[str, type[Any]] = {
         HealthGate,
         Drain,
         Undrain,
+        Lock,
+        Unlock,
+        Stage,
+        Commit,
+        MarkDirty,
+        RemoveStaged,
     )
 }
 _BY_NAME[WriteManifest.op] = WriteManifest
@@ -246,4 +383,118 @@ def describe(op: Operation) -> str:
         return f"undrain {op.instance} on the router ({op.router_host}:{op.router_port})"
     if isinstance(op, RunCommand):
         return op.description
-    return f"write manifest (generation {op.generation})"
+    if isinstance(op, Lock):
+        return f"lock {op.path} (refused if another apply holds it)"
+    if isinstance(op, Unlock):
+        return f"unlock {op.path} (if still ours)"
+    if isinstance(op, Stage):
+        return "stage: mkdir " + " ".join(op.folders) + (f"; {len(op.secret_temps)} secret(s) staged 0600" if op.secret_temps else "")
+    if isinstance(op, Commit):
+        return f"commit {len(op.paths)} file(s): back up to {op.backup}, verify, rename into place (else restore)"
+    if isinstance(op, MarkDirty):
+        return f"if a rollback fails: write the dirty marker {op.path}"
+    if isinstance(op, RemoveStaged):
+        return f"remove the staged copies left (*{TMP_SUFFIX}, {len(op.paths)} path(s))"
+    return f"write manifest (generation {op.generation}), remove the dirty marker, keep {KEEP_BACKUPS} backups"
+
+
+def commit_script(backup: str, changes: Sequence[UploadFile | DeleteFile]) -> str:
+    """Shell: back up, verify the staged files, rename them into place; on any failure restore everything (exit 1), and
+    if the restore fails too, write the dirty marker (exit 2). One round trip; paths are quoted.
+
+    No live file is replaced before every backup is complete: each is copied beside its final name, fsynced, compared
+    with the live file, then renamed; a file that did not exist is recorded in .created first. Each staged file is
+    fsynced and its sha256 checked against the plan before any rename. Renames are atomic, so whatever stops the script
+    (a full disk, an I/O error, a killed session), each live file is the previous one or the new one, never a part."""
+    b = shlex.quote(backup)
+    temps = " ".join(shlex.quote(c.path + TMP_SUFFIX) for c in changes if isinstance(c, UploadFile))
+    lines = [
+        "set -u",
+        f"B={b}",
+        restore_function(),
+        'fail() { echo "$1" >&2; if restore; then rm -f ' + temps + "; exit 1; "
+        f'else mkdir -p /etc/bpdkv; echo "commit failed and restore failed: $1" > {DIRTY_PATH}; exit 2; fi; }}',
+        f'err=$( {{ rm -rf "$B" && mkdir -p "$B"; }} 2>&1) || fail "cannot make backup folder {backup}: $err"',
+    ]
+    for c in changes:
+        q = shlex.quote(c.path)
+        kept, part = f'"$B"{q}', f'"$B"{shlex.quote(c.path + PART)}'
+        parent = shlex.quote(c.path.rsplit("/", 1)[0] or "/")
+        lines.append(
+            f"if [ -e {q} ]; then "
+            f'err=$( {{ mkdir -p "$B"{parent} && cp -p {q} {part} && sync {part} && cmp -s {q} {part} && mv -f {part} {kept}; }} 2>&1) '
+            f'|| {{ rm -f {part}; fail "backup of {c.path}: ${{err:-the copy does not match the file}}"; }}; '
+            f'else err=$( {{ printf \'%s\\n\' {q} >> "$B/.created" && grep -qxF {q} "$B/.created"; }} 2>&1) '
+            f'|| fail "backup of {c.path}: cannot record it as new in {backup}: ${{err:-not written}}"; fi'
+        )
+    uploads = [c for c in changes if isinstance(c, UploadFile)]
+    for c in uploads:
+        tmp = shlex.quote(c.path + TMP_SUFFIX)
+        lines.append(
+            f'err=$(sync {tmp} 2>&1) || fail "{c.path}: staged copy: $err"; '
+            f'[ "$(sha256sum < {tmp} | cut -c1-64)" = {c.sha256} ] '
+            f'|| fail "{c.path}: the staged copy is not the planned file (sha256 differs: a full disk or an I/O error while uploading?)"'
+        )
+    for c in changes:
+        q = shlex.quote(c.path)
+        if isinstance(c, UploadFile):
+            tmp = shlex.quote(c.path + TMP_SUFFIX)
+            if c.reader:  # still 0600 (staged under umask 077) while its group changes
+                user = shlex.quote(c.reader)
+                lines.append(
+                    f'g=$(id -gn {user} 2>/dev/null) || fail "{c.path}: user {c.reader} (vllm.user) does not exist on this host"; '
+                    f'err=$(chown root:"$g" {tmp} 2>&1) || fail "{c.path}: $err"'
+                )
+            lines.append(f'err=$( {{ chmod {c.mode:o} {tmp} && mv -f {tmp} {q}; }} 2>&1) || fail "{c.path}: $err"')
+        else:
+            lines.append(f'err=$(rm -f {q} 2>&1) || fail "{c.path}: $err"')
+    parents = " ".join(sorted({shlex.quote(c.path.rsplit("/", 1)[0] or "/") for c in changes}))
+    lines.append(f'err=$(sync {parents} 2>&1) || fail "fsync of {parents}: $err"')  # the renames themselves on disk
+    lines.append(f'err=$(touch "$B/.complete" 2>&1) || fail "backup folder {backup}: $err"')
+    return "\n".join(lines)
+
+
+def restore_function() -> str:
+    """`restore`: every complete backup back by copy + fsync + compare + rename (never half-written), every created file
+    removed; a partial backup copy (*.bpdkv-part) is never used: its live file was not touched yet. A file still equal
+    to its backup (content, mode, owner) is left alone: never renamed, so an immutable one does not stop the restore,
+    and the restore can run again after a cut-off commit. Returns non-zero when any file could not be put back."""
+    return (
+        'restore() { ok=0; [ -d "$B" ] || return 0; cd "$B" || return 1; '
+        f"for f in $(find . -type f ! -name .created ! -name .complete ! -name '*{PART}'); do p=${{f#.}}; "
+        'if [ -e "$p" ] && cmp -s "$f" "$p" && [ "$(stat -c %a:%u:%g "$f")" = "$(stat -c %a:%u:%g "$p")" ]; then continue; fi; '
+        '{ cp -p "$f" "$p.bpdkv-old" && sync "$p.bpdkv-old" && cmp -s "$f" "$p.bpdkv-old" && mv -f "$p.bpdkv-old" "$p"; } '
+        '|| { rm -f "$p.bpdkv-old"; echo "restore of $p failed" >&2; ok=1; }; done; '
+        'if [ -f .created ]; then while read -r p; do rm -f "$p" || ok=1; done < .created; fi; cd /; return $ok; }'
+    )
+
+
+def restore_script(backup: str) -> str:
+    return "\n".join(["set -u", f"B={shlex.quote(backup)}", restore_function(), "restore"])
+
+
+def stage_operations(generation: str, topology: str, core: list[Operation]) -> list[Operation]:
+    """A host's operations framed: the lock first; the staging before the uploads; the commit (with its restore) and the
+    dirty marker after the file changes; the staged copies removed and the lock released last."""
+    if not core:
+        return []
+    uploads = [op for op in core if isinstance(op, UploadFile)]
+    changes = [op for op in core if isinstance(op, UploadFile | DeleteFile)]
+    folders = {op.path.rsplit("/", 1)[0] or "/" for op in uploads}
+    folders |= {f"{STATE_DIR}/{op.instance}" for op in core if isinstance(op, StartUnit)}
+    secrets = tuple(op.path + TMP_SUFFIX for op in uploads if op.secret)
+    backup = f"{BACKUP_DIR}/{generation}"
+    out: list[Operation] = [Lock(LOCK_PATH, topology, generation)]
+    staged = False
+    for op in core:
+        if not staged and not isinstance(op, InstallSystemPackages | InstallPackages | StopUnit):
+            staged = True
+            if folders or secrets:
+                out.append(Stage(tuple(sorted(folders)), secrets))
+        out.append(op)
+        if changes and op is changes[-1]:
+            out.append(Commit(backup, tuple(c.path for c in changes), commit_script(backup, changes), restore_script(backup)))
+    out.append(MarkDirty(DIRTY_PATH, f"an apply of generation {generation} failed here and could not restore the previous files"))
+    out.append(RemoveStaged(tuple(op.path + TMP_SUFFIX for op in uploads) + (MANIFEST_PATH + TMP_SUFFIX,)))
+    out.append(Unlock(LOCK_PATH))
+    return out

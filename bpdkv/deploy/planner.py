@@ -550,7 +550,8 @@ def host_operations(
     router: tuple[str, int] | None,
     start_timeout: float | None,
 ) -> list[ops.Operation]:
-    """The host's ordered operations: packages, stops, files, daemon-reload, per unit (drain, start, gate, undrain), manifest."""
+    """The host's ordered operations: lock, packages, stops, staging, files, commit, daemon-reload, per unit (drain, start,
+    gate, undrain), manifest, clean-up, unlock (ops.stage_operations frames them)."""
     out: list[ops.Operation] = []
     if system_packages:
         out.append(ops.InstallSystemPackages(system_packages))
@@ -590,8 +591,8 @@ def host_operations(
                 out.append(ops.Undrain(u.instance, router[0], router[1]))
     manifest = manifest_for(topology, node.name, artifacts, generation)
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-    out.append(ops.WriteManifest(generation, digest))
-    return out
+    out.append(ops.WriteManifest(generation, digest, json.dumps(manifest, indent=2, sort_keys=True) + "\n"))
+    return ops.stage_operations(generation, topology.name, out)
 
 
 def _wrong_group(facts: HostFacts, art: Artifact, info: dict[str, Any]) -> bool:

@@ -24,7 +24,8 @@ from bpdkv.deploy import efa
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import SOURCE_MARKER, check_installed, install_command, source_digest
 from bpdkv.deploy.connectors import Connector, ConnectorError, plain_errno, probe, run_checked, run_step
-from bpdkv.deploy.facts import BACKUP_DIR, DIRTY_PATH, LOCK_PATH, MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
+from bpdkv.deploy.facts import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
+from bpdkv.deploy.operations import TMP_SUFFIX
 from bpdkv.deploy.planner import HostPlan, Plan, manifest_for
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact
@@ -33,9 +34,6 @@ from bpdkv.topology.model import Topology
 
 log = logging.getLogger("bpdkv.deploy")
 
-STATE_DIR = "/var/lib/bpdkv"
-TMP_SUFFIX = ".bpdkv-new"
-KEEP_BACKUPS = 3
 INSTALL_TIMEOUT = 3600.0  # seconds for one node's pip install: vLLM + torch from a wheelhouse take minutes
 DRAIN_TIMEOUT = 120.0
 PROBE_TIMEOUT = 120.0  # seconds for each request of the EFA probe turn (P, D, /metrics)
@@ -157,7 +155,6 @@ class Runner:
         self.committed: set[str] = set()  # hosts whose new files are in place (rollback must restore them)
         self.started: dict[str, list[ops.StartUnit]] = {}  # units this run (re)started, per host
         self.locked: set[str] = set()
-        self.backup = f"{BACKUP_DIR}/{plan.generation}"
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
     def outcome(self, host: str) -> HostOutcome:
@@ -194,24 +191,14 @@ class Runner:
 
     # ---- locks -----------------------------------------------------------------------------------------------------
     def lock_all(self, hosts: list[HostPlan]) -> list[str]:
-        """Take every host's lock before anything is written; on any refusal release those taken and say who holds it."""
-        record = json.dumps(
-            {
-                "owner": self.options.owner,
-                "pid": self.options.owner.rsplit(" ", 1)[-1],
-                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "topology": self.topology.name,
-                "generation": self.plan.generation,
-            }
-        )
-        command = (
-            f"mkdir -p {STATE_DIR} && ( set -C; printf '%s\\n' {shlex.quote(record)} > {LOCK_PATH} ) 2>/dev/null "
-            f"|| {{ cat {LOCK_PATH}; exit 3; }}"
-        )
+        """Each host's Lock operation before anything is written; on any refusal release those taken and say who holds it."""
 
         def one(hp: HostPlan) -> str | None:
+            lock = _first(hp, ops.Lock)
+            if lock is None:
+                return None  # nothing to lock: the plan has no operations for it
             try:
-                result = self.conns[hp.host].run(command)
+                result = self.conns[hp.host].run(lock.command(self.options.owner))
             except ConnectorError as exc:
                 return exc.reason
             if result.exited == 0:
@@ -221,7 +208,7 @@ class Runner:
                 held = json.loads(result.stdout.strip().splitlines()[-1])
                 return f"lock: another apply holds it: {held.get('owner')} since {held.get('started')} (topology {held.get('topology')})"
             except (ValueError, IndexError, AttributeError):
-                return f"lock: {LOCK_PATH} could not be taken: {(result.stderr or result.stdout).strip()[-200:]}"
+                return f"lock: {lock.path} could not be taken: {(result.stderr or result.stdout).strip()[-200:]}"
 
         results = for_each_host(hosts, one, self.options.parallel)
         refused = [f"{hp.host}: {why}" for hp, why in zip(hosts, results, strict=True) if why]
@@ -230,16 +217,18 @@ class Runner:
         return refused
 
     def unlock_all(self) -> None:
-        owner = shlex.quote(f'"owner": {json.dumps(self.options.owner)}')
+        plans = {hp.host: hp for hp in self.plan.hosts}
 
         def one(host: str) -> None:
+            unlock = _first(plans[host], ops.Unlock)
+            if unlock is None:
+                return
             try:
-                # Only our own lock; a missing one (removed by --force-unlock elsewhere) is fine, a failed rm is not.
-                run_step(self.conns[host], f"if grep -qF {owner} {LOCK_PATH} 2>/dev/null; then rm -f {LOCK_PATH}; fi", "lock release")
+                run_step(self.conns[host], unlock.command(self.options.owner), "lock release")
             except ConnectorError as exc:
                 self.progress(host, f"could not release the lock ({exc.reason}); `apply --force-unlock` removes it")
                 self.report.problems.append(
-                    f"{host}: the lock {LOCK_PATH} could not be released ({exc.reason}); `apply --force-unlock` removes it"
+                    f"{host}: the lock {unlock.path} could not be released ({exc.reason}); `apply --force-unlock` removes it"
                 )
 
         for_each_host(sorted(self.locked), one, self.options.parallel)
@@ -301,48 +290,46 @@ class Runner:
                 self.progress(hp.host, f"stopped {op.unit}")
 
     def stage(self, hp: HostPlan) -> None:
-        """Upload every new file beside its target under a temp name; nothing the host runs changes yet."""
+        """The Stage operation, then every new file uploaded beside its target; nothing the host runs changes yet."""
         uploads = [op for op in hp.operations if isinstance(op, ops.UploadFile)]
         contents = {a.path: a for a in self.artifacts if a.host == hp.host}
         conn = self.conns[hp.host]
-        # Folders for the files and each started unit's working directory (WorkingDirectory= must exist).
-        parents = {op.path.rsplit("/", 1)[0] or "/" for op in uploads}
-        parents |= {f"{STATE_DIR}/{op.instance}" for op in hp.operations if isinstance(op, ops.StartUnit)}
-        if parents:
-            run_checked(conn, "mkdir -p " + " ".join(shlex.quote(d) for d in sorted(parents)))
-        secret_temps = " ".join(shlex.quote(op.path + TMP_SUFFIX) for op in uploads if op.secret)
-        if secret_temps:  # made 0600 before the upload fills them: a secret is never readable by others, not even briefly
-            run_checked(conn, f'umask 077 && for f in {secret_temps}; do rm -f "$f" && : > "$f"; done')
+        for op in hp.operations:
+            if isinstance(op, ops.Stage):
+                for command in op.commands():
+                    run_checked(conn, command)
         try:
-            for op in uploads:
-                art = contents.get(op.path)
+            for upload in uploads:
+                art = contents.get(upload.path)
                 data = art.content.encode() if art else b""
-                if art is None or sha256(data).hexdigest() != op.sha256:
-                    raise PlanMismatch(f"{hp.host}: {op.path}: the rendered file is not the one the plan holds (sha256 differs)")
-                conn.put(data, op.path + TMP_SUFFIX)
+                if art is None or sha256(data).hexdigest() != upload.sha256:
+                    raise PlanMismatch(f"{hp.host}: {upload.path}: the rendered file is not the one the plan holds (sha256 differs)")
+                conn.put(data, upload.path + TMP_SUFFIX)
         except BaseException:
             self.remove_temps(hp)
             raise
 
     def remove_temps(self, hp: HostPlan) -> None:
-        temps = [shlex.quote(op.path + TMP_SUFFIX) for op in hp.operations if isinstance(op, ops.UploadFile)]
-        temps.append(shlex.quote(MANIFEST_PATH + TMP_SUFFIX))
-        if temps:
-            try:
-                run_step(self.conns[hp.host], "rm -f " + " ".join(temps), "removing the staged files")
-            except ConnectorError as exc:
-                self.progress(hp.host, f"could not remove temp files ({exc.reason})")
-                self.report.problems.append(f"{hp.host}: staged files (*{TMP_SUFFIX}) may be left behind: {exc.reason}")
+        cleanup = _first(hp, ops.RemoveStaged)
+        if cleanup is None:
+            return
+        try:
+            run_step(self.conns[hp.host], cleanup.command(), "removing the staged files")
+        except ConnectorError as exc:
+            self.progress(hp.host, f"could not remove temp files ({exc.reason})")
+            self.report.problems.append(f"{hp.host}: staged files (*{TMP_SUFFIX}) may be left behind: {exc.reason}")
 
     def commit(self, hp: HostPlan) -> None:
         """Back up every file about to change, then rename the staged files into place, in one shell script that puts the
         previous files back itself if any step fails (and marks the host dirty if even that fails)."""
         changes = [op for op in hp.operations if isinstance(op, ops.UploadFile | ops.DeleteFile)]
         conn = self.conns[hp.host]
-        if changes:
-            script = commit_script(self.backup, changes)
+        commit = _first(hp, ops.Commit)
+        if changes and commit is None:
+            raise PlanMismatch(f"{hp.host}: the plan changes files but holds no commit operation")
+        if commit is not None:
             self.committed.add(hp.host)  # from here on, a failure restores the backup
-            result = conn.run(script)
+            result = conn.run(commit.script)
             if result.exited != 0:
                 said = (result.stderr or result.stdout).strip().splitlines()
                 detail = said[-1] if said else f"exit {result.exited}"
@@ -380,16 +367,13 @@ class Runner:
 
     def write_manifest(self, hp: HostPlan, op: ops.WriteManifest) -> None:
         manifest = manifest_for(self.topology, hp.host, self.artifacts, self.plan.generation)
-        if sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest() != op.sha256:
+        digest = sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        if digest != op.sha256 or sha256(json.dumps(json.loads(op.content or "null"), sort_keys=True).encode()).hexdigest() != digest:
             raise PlanMismatch(f"{hp.host}: the manifest differs from the one the plan holds")
         conn = self.conns[hp.host]
-        run_checked(conn, f"mkdir -p {shlex.quote(MANIFEST_PATH.rsplit('/', 1)[0])}")
-        conn.put((json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(), MANIFEST_PATH + TMP_SUFFIX)
-        run_checked(
-            conn,
-            f"mv -f {MANIFEST_PATH}{TMP_SUFFIX} {MANIFEST_PATH} && rm -f {DIRTY_PATH} && "
-            f'{{ [ -d {BACKUP_DIR} ] && ls -1t {BACKUP_DIR} | tail -n +{KEEP_BACKUPS + 1} | while read -r d; do rm -rf {BACKUP_DIR}/"$d"; done; true; }}',
-        )
+        run_checked(conn, op.mkdir_command())
+        conn.put(op.content.encode(), MANIFEST_PATH + TMP_SUFFIX)
+        run_checked(conn, op.command())
 
     # ---- units -----------------------------------------------------------------------------------------------------
     def unit_steps(self, role: str) -> list[tuple[HostPlan, list[ops.Operation]]]:
@@ -495,8 +479,9 @@ class Runner:
             out = self.outcome(hp.host)
             try:
                 conn = self.conns[hp.host]
-                if hp.host in self.committed:
-                    result = conn.run(restore_script(self.backup))
+                commit = _first(hp, ops.Commit)
+                if hp.host in self.committed and commit is not None:
+                    result = conn.run(commit.restore)
                     if result.exited != 0:
                         raise ConnectorError(hp.host, f"restore failed: {(result.stderr or result.stdout).strip()[-200:]}")
                     self.committed.discard(hp.host)
@@ -518,7 +503,7 @@ class Runner:
                 out.status = HostStatus.DIRTY
                 said = exc.reason if isinstance(exc, ConnectorError) else f"{type(exc).__name__}: {exc}"
                 out.message = f"{why}; rollback failed ({said}); the next plan shows the repair"
-                self.mark_dirty(hp, out.message)
+                self.mark_dirty(hp)
                 self.progress(hp.host, f"dirty: {out.message}")
                 continue
             if out.status is not HostStatus.DIRTY:
@@ -526,14 +511,15 @@ class Runner:
                 out.message = f"{out.message or why}; rolled back to the previous files and units"
             self.progress(hp.host, "rolled back to the previous files and units")
 
-    def mark_dirty(self, hp: HostPlan, message: str) -> None:
+    def mark_dirty(self, hp: HostPlan) -> None:
+        marker = _first(hp, ops.MarkDirty)
+        if marker is None:
+            return
         try:
-            run_step(
-                self.conns[hp.host], f"mkdir -p /etc/bpdkv && printf '%s\\n' {shlex.quote(message[:300])} > {DIRTY_PATH}", "dirty marker"
-            )
+            run_step(self.conns[hp.host], marker.command(), "dirty marker")
         except Exception as exc:  # noqa: BLE001 - the host is down; its manifest still disagrees with its files, which plan sees
             said = exc.reason if isinstance(exc, ConnectorError) else str(exc)
-            self.progress(hp.host, f"could not write the dirty marker {DIRTY_PATH} ({said})")
+            self.progress(hp.host, f"could not write the dirty marker {marker.path} ({said})")
 
     # ---- the whole run ---------------------------------------------------------------------------------------------
     def run(self) -> Report:
@@ -659,83 +645,13 @@ class Runner:
         return result.message or None
 
 
+OpT = TypeVar("OpT")
+
+
+def _first(hp: HostPlan, kind: type[OpT]) -> OpT | None:
+    """The host's first operation of `kind` (the runner's phases pick their operations by type)."""
+    return next((op for op in hp.operations if isinstance(op, kind)), None)
+
+
 def _unit(step: list[ops.Operation]) -> str:
     return next(op.unit for op in step if isinstance(op, ops.StartUnit))
-
-
-PART = ".bpdkv-part"  # a backup copy being written; only a verified copy is renamed to its final name
-
-
-def commit_script(backup: str, changes: Sequence[ops.UploadFile | ops.DeleteFile]) -> str:
-    """Shell: back up, verify the staged files, rename them into place; on any failure restore everything (exit 1), and
-    if the restore fails too, write the dirty marker (exit 2). One round trip; paths are quoted.
-
-    No live file is replaced before every backup is complete: each is copied beside its final name, fsynced, compared
-    with the live file, then renamed; a file that did not exist is recorded in .created first. Each staged file is
-    fsynced and its sha256 checked against the plan before any rename. Renames are atomic, so whatever stops the script
-    (a full disk, an I/O error, a killed session), each live file is the previous one or the new one, never a part."""
-    b = shlex.quote(backup)
-    temps = " ".join(shlex.quote(c.path + TMP_SUFFIX) for c in changes if isinstance(c, ops.UploadFile))
-    lines = [
-        "set -u",
-        f"B={b}",
-        restore_function(),
-        'fail() { echo "$1" >&2; if restore; then rm -f ' + temps + "; exit 1; "
-        f'else mkdir -p /etc/bpdkv; echo "commit failed and restore failed: $1" > {DIRTY_PATH}; exit 2; fi; }}',
-        f'err=$( {{ rm -rf "$B" && mkdir -p "$B"; }} 2>&1) || fail "cannot make backup folder {backup}: $err"',
-    ]
-    for c in changes:
-        q = shlex.quote(c.path)
-        kept, part = f'"$B"{q}', f'"$B"{shlex.quote(c.path + PART)}'
-        parent = shlex.quote(c.path.rsplit("/", 1)[0] or "/")
-        lines.append(
-            f"if [ -e {q} ]; then "
-            f'err=$( {{ mkdir -p "$B"{parent} && cp -p {q} {part} && sync {part} && cmp -s {q} {part} && mv -f {part} {kept}; }} 2>&1) '
-            f'|| {{ rm -f {part}; fail "backup of {c.path}: ${{err:-the copy does not match the file}}"; }}; '
-            f'else err=$( {{ printf \'%s\\n\' {q} >> "$B/.created" && grep -qxF {q} "$B/.created"; }} 2>&1) '
-            f'|| fail "backup of {c.path}: cannot record it as new in {backup}: ${{err:-not written}}"; fi'
-        )
-    uploads = [c for c in changes if isinstance(c, ops.UploadFile)]
-    for c in uploads:
-        tmp = shlex.quote(c.path + TMP_SUFFIX)
-        lines.append(
-            f'err=$(sync {tmp} 2>&1) || fail "{c.path}: staged copy: $err"; '
-            f'[ "$(sha256sum < {tmp} | cut -c1-64)" = {c.sha256} ] '
-            f'|| fail "{c.path}: the staged copy is not the planned file (sha256 differs: a full disk or an I/O error while uploading?)"'
-        )
-    for c in changes:
-        q = shlex.quote(c.path)
-        if isinstance(c, ops.UploadFile):
-            tmp = shlex.quote(c.path + TMP_SUFFIX)
-            if c.reader:  # still 0600 (staged under umask 077) while its group changes
-                user = shlex.quote(c.reader)
-                lines.append(
-                    f'g=$(id -gn {user} 2>/dev/null) || fail "{c.path}: user {c.reader} (vllm.user) does not exist on this host"; '
-                    f'err=$(chown root:"$g" {tmp} 2>&1) || fail "{c.path}: $err"'
-                )
-            lines.append(f'err=$( {{ chmod {c.mode:o} {tmp} && mv -f {tmp} {q}; }} 2>&1) || fail "{c.path}: $err"')
-        else:
-            lines.append(f'err=$(rm -f {q} 2>&1) || fail "{c.path}: $err"')
-    parents = " ".join(sorted({shlex.quote(c.path.rsplit("/", 1)[0] or "/") for c in changes}))
-    lines.append(f'err=$(sync {parents} 2>&1) || fail "fsync of {parents}: $err"')  # the renames themselves on disk
-    lines.append(f'err=$(touch "$B/.complete" 2>&1) || fail "backup folder {backup}: $err"')
-    return "\n".join(lines)
-
-
-def restore_function() -> str:
-    """`restore`: every complete backup back by copy + fsync + compare + rename (never half-written), every created file
-    removed; a partial backup copy (*.bpdkv-part) is never used: its live file was not touched yet. A file still equal
-    to its backup (content, mode, owner) is left alone: never renamed, so an immutable one does not stop the restore,
-    and the restore can run again after a cut-off commit. Returns non-zero when any file could not be put back."""
-    return (
-        'restore() { ok=0; [ -d "$B" ] || return 0; cd "$B" || return 1; '
-        f"for f in $(find . -type f ! -name .created ! -name .complete ! -name '*{PART}'); do p=${{f#.}}; "
-        'if [ -e "$p" ] && cmp -s "$f" "$p" && [ "$(stat -c %a:%u:%g "$f")" = "$(stat -c %a:%u:%g "$p")" ]; then continue; fi; '
-        '{ cp -p "$f" "$p.bpdkv-old" && sync "$p.bpdkv-old" && cmp -s "$f" "$p.bpdkv-old" && mv -f "$p.bpdkv-old" "$p"; } '
-        '|| { rm -f "$p.bpdkv-old"; echo "restore of $p failed" >&2; ok=1; }; done; '
-        'if [ -f .created ]; then while read -r p; do rm -f "$p" || ok=1; done < .created; fi; cd /; return $ok; }'
-    )
-
-
-def restore_script(backup: str) -> str:
-    return "\n".join(["set -u", f"B={shlex.quote(backup)}", restore_function(), "restore"])

@@ -196,7 +196,7 @@ def test_commit_script_restores_every_file_when_a_rename_fails(tmp_path: Path) -
     import hashlib
     import subprocess
 
-    from bpdkv.deploy.runner import TMP_SUFFIX, commit_script
+    from bpdkv.deploy.operations import TMP_SUFFIX, commit_script
 
     old = tmp_path / "etc" / "a.env"
     old.parent.mkdir()
@@ -231,7 +231,7 @@ def test_restore_after_a_commit_cut_off_mid_rename_leaves_unchanged_files_alone(
     import hashlib
     import subprocess
 
-    from bpdkv.deploy.runner import TMP_SUFFIX, commit_script, restore_script
+    from bpdkv.deploy.operations import TMP_SUFFIX, commit_script, restore_script
 
     etc = tmp_path / "etc"
     etc.mkdir()

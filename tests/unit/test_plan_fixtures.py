@@ -109,9 +109,8 @@ def _summary(fixture: dict[str, Any]) -> dict[str, Any]:
 def _stable(line: str) -> str:
     import re
 
-    return re.sub(r"sha256 [0-9a-f]{12}", "sha256 @rendered", re.sub(r"generation [0-9a-f]{12}", "generation @current", line)).replace(
-        source_digest(), "@current"
-    )
+    line = re.sub(r"(generation |backup/)[0-9a-f]{12}", r"\g<1>@current", line)
+    return re.sub(r"sha256 [0-9a-f]{12}", "sha256 @rendered", line).replace(source_digest(), "@current")
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem)
