@@ -963,5 +963,65 @@ def logs(
     sys.exit(1 if failed else 0)
 
 
+@main.command()
+@click.argument("topology", type=click.Path(path_type=str))
+@click.option("--watch", "watch_for", default="60s", show_default=True, help="Sample the fleet's /metrics for this long (30s, 5m).")
+@click.option("--interval", default="5s", show_default=True, help="Between two samples with --watch.")
+@click.option("--prometheus", help="Read the window from this Prometheus server instead (its HTTP API).")
+@click.option("--since", default="6h", show_default=True, help="The window with --prometheus (30m, 6h, 1d).")
+@click.option("--router", "routers", multiple=True, help="Router URL to watch (repeatable); default: the topology's routers.")
+@click.option("--decode", "decodes", multiple=True, help="D URL whose hold gauges to read (repeatable); default: the topology's.")
+@click.option("--output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option(
+    "--write-override", "override_file", type=click.Path(dir_okay=False, path_type=Path), help="Write the changes as a topology fragment."
+)
+@user_errors
+def tune(
+    topology: str,
+    watch_for: str,
+    interval: str,
+    prometheus: str | None,
+    since: str,
+    routers: tuple[str, ...],
+    decodes: tuple[str, ...],
+    output: str,
+    override_file: Path | None,
+) -> None:
+    """Recommend the TTL, hold budget, local_max_tokens and P:D ratio from the fleet's own traffic (docs/operations.md)."""
+    from bpdkv import tune as t
+
+    topo = _load(topology).topology
+    urls = t.endpoints(topo)
+    result = t.run(
+        t.current_of(topo),
+        list(routers) or urls[0],
+        list(decodes) or ([] if routers else urls[1]),
+        t.parse_duration(watch_for),
+        t.parse_duration(interval),
+        prometheus,
+        topo.name,
+        t.parse_duration(since),
+    )
+    if output == "json":
+        click.echo(json.dumps(result.to_json(), indent=2))
+    elif result.error is None:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"bpdkv tune: {result.source}")
+        for col in ("setting", "now", "recommended", "evidence", "predicted effect"):
+            table.add_column(col)
+        for row in t.rows(result):
+            table.add_row(*row)
+        Console(highlight=False).print(table)
+    if result.error is not None:
+        _red(result.error)
+    elif override_file:
+        override_file.write_text(t.override_yaml(result, topology))
+        if output == "text":
+            click.echo(f"wrote {override_file}: merge it into the topology, then bpdkv plan / apply")
+    sys.exit(result.exit_code)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
