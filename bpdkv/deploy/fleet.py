@@ -444,3 +444,111 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "restart": sum(1 for h in plan.hosts for u in h.units if u.action in ("start", "restart")),
         "stop": sum(1 for h in plan.hosts for u in h.units if u.action == "stop"),
     }
+
+
+# ---- the commands' workflows: the CLI parses, calls one of these, prints, and exits with the code the result owns ----
+
+
+def connect(accept_new_host_keys: bool = False, command_timeout: float = 120.0) -> ConnectorFactory:
+    """SSH connections as the command line's flags ask (known hosts, the per-command timeout)."""
+    return ssh_factory(SshOptions(accept_new_host_keys=accept_new_host_keys, command_timeout=command_timeout))
+
+
+def plan_topology(
+    topology: str, offline: bool, parallel: int, connect: ConnectorFactory, limit: tuple[str, ...], out_file: Path | None
+) -> tuple[Plan, list[Any]]:
+    """`bpdkv plan`: the plan (saved to `out_file` when given) and the warnings to show (offline: node-group placeholders)."""
+    fleet = load_fleet(topology, offline=offline)
+    try:
+        plan = plan_fleet(fleet, offline, parallel, connect, limit)
+    finally:
+        fleet.close()
+    if out_file is not None:
+        save_plan(plan, fleet, out_file)
+    return plan, list(fleet.validated.warnings) if offline else []
+
+
+@dataclass
+class ApplyJob:
+    """What `bpdkv apply TARGET` will run: a saved plan (checked against a fresh one, runs exactly as saved) or a fresh
+    plan of a topology. Holds the fleet's connections until `close`."""
+
+    fleet: Fleet
+    plan: Plan
+    saved: bool
+    owner: str
+
+    @property
+    def nothing_to_do(self) -> bool:
+        return not self.plan.has_changes and not self.plan.has_errors
+
+    @property
+    def needs_confirmation(self) -> bool:
+        """A fresh plan is shown and confirmed first; a saved one was reviewed when it was saved."""
+        return not self.saved and not self.plan.has_errors
+
+    def run(self, parallel: int, max_unavailable: int, progress: Progress | None = None) -> Report:
+        options = ApplyOptions(parallel=parallel, max_unavailable=max_unavailable, owner=self.owner)
+        return apply_plan(self.fleet, self.plan, options, progress)
+
+    def close(self) -> None:
+        self.fleet.close()
+
+
+def prepare_apply(
+    target: str,
+    limit: tuple[str, ...],
+    parallel: int,
+    connect: ConnectorFactory,
+    force_unlock: bool = False,
+    start_timeout: float | None = None,
+) -> ApplyJob:
+    """TARGET is a topology, or a plan saved with `plan --out` (*.json: its topology and --limit are the saved ones)."""
+    saved = None
+    topology_file = target
+    if target.endswith(".json"):
+        saved = load_saved_plan(Path(target))
+        topology_file = saved.topology_file
+        limit = tuple(saved.plan.limit)
+    fleet = load_fleet(topology_file)
+    owner = lock_owner()
+    try:
+        fresh = plan_fleet(fleet, False, parallel, connect, limit, owner, force_unlock, start_timeout)
+        if saved is not None:
+            check_saved_plan(saved, fresh, fleet)
+    except BaseException:
+        fleet.close()
+        raise
+    return ApplyJob(fleet, saved.plan if saved is not None else fresh, saved is not None, owner)
+
+
+@dataclass(frozen=True)
+class FleetStatus:
+    rows: list[InstanceStatus]
+
+    @property
+    def healthy(self) -> bool:
+        return all(r.healthy for r in self.rows)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.healthy else 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "instances": [dict(vars(r), healthy=r.healthy) for r in self.rows]}
+
+
+def fleet_status(topology: str, parallel: int, connect: ConnectorFactory) -> FleetStatus:
+    fleet = load_fleet(topology)
+    try:
+        return FleetStatus(status(fleet, parallel, connect))
+    finally:
+        fleet.close()
+
+
+def destroy_topology(topology: str, parallel: int, connect: ConnectorFactory, progress: Progress, keep_packages: bool) -> Report:
+    fleet = load_fleet(topology, resolve_secrets=False)
+    try:
+        return destroy(fleet, parallel, connect, progress, keep_packages)
+    finally:
+        fleet.close()
