@@ -1,6 +1,6 @@
 #!/bin/sh
 # System packages the test suite uses for real: systemd-analyze (unit verification), redis-server (router state),
-# OpenSSH server + iproute2 + util-linux (SSH test hosts in network namespaces).
+# OpenSSH server + iproute2 + util-linux (SSH test hosts in network namespaces), prometheus (bpdkv tune --prometheus).
 set -eu
 missing=""
 command -v systemd-analyze >/dev/null 2>&1 || missing="$missing systemd"
@@ -10,6 +10,7 @@ command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
 command -v nsenter >/dev/null 2>&1 || missing="$missing util-linux"
 command -v ss >/dev/null 2>&1 || missing="$missing iproute2"
 command -v pgrep >/dev/null 2>&1 || missing="$missing procps"
+command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"  # bpdkv tune --prometheus against a real server
 if [ -n "$missing" ]; then
     if [ "$(id -u)" != 0 ]; then
         echo "missing:$missing (install them as root: apt-get install -y$missing)" >&2
