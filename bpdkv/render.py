@@ -13,6 +13,7 @@ import yaml
 
 from bpdkv import __version__, contracts
 from bpdkv.errors import RenderError
+from bpdkv.generations import router_generation
 from bpdkv.resources import templates_dir
 from bpdkv.secret_refs import router_secret_files
 from bpdkv.topology.model import Instance, Node, Topology
@@ -135,8 +136,13 @@ def vllm_env(topology: Topology, instance: Instance, node: Node) -> list[tuple[s
 def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
     r = topology.router
 
+    generation = router_generation(topology)  # P and D pair only within one generation (bpdkv/generations.py)
+
     def upstreams(role: str) -> list[dict[str, str]]:
-        return [{"name": i.name, "url": f"http://{n.data_plane_address}:{i.port}"} for n, i in topology.instances(role)]
+        return [
+            {"name": i.name, "url": f"http://{n.data_plane_address}:{i.port}", "generation": generation["id"]}
+            for n, i in topology.instances(role)
+        ]
 
     return {
         "topology": topology.name,
@@ -145,6 +151,7 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         "model": topology.model.served_name,
         "prefill": upstreams("prefill"),
         "decode": upstreams("decode"),
+        "generations": [generation],
         "state": local_redis_url(topology, instance) or r.state,
         "session_identity": r.session_identity,
         "session_ttl": r.session_ttl,

@@ -30,6 +30,17 @@ class RouterConfigError(BpdkvError):
 class UpstreamSpec:
     name: str
     url: str
+    generation: str = ""  # "": the one unnamed generation of a config without generations
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A generation of P and D (bpdkv/generations.py) and what its engines must report (None: not checked)."""
+
+    id: str
+    vllm: str | None = None
+    model_root: str | None = None
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,7 @@ class RouterConfig:
     state_ca_file: str | None = None
     # redis-server config the router runs as its own child (workers > 1 without an external Redis; render writes it).
     local_redis_conf: str | None = None
+    generations: tuple[GenerationSpec, ...] = ()  # oldest first; P and D pair only within one (router/generations.py)
 
     def worker_count(self) -> int:
         if self.workers == "auto":
@@ -116,7 +128,9 @@ def _upstreams(items: list[Any], role: str) -> tuple[UpstreamSpec, ...]:
     for i, item in enumerate(items):
         if isinstance(item, str):
             item = {"url": item}
-        out.append(UpstreamSpec(name=item.get("name") or f"{role}-{i}", url=item["url"].rstrip("/")))
+        out.append(
+            UpstreamSpec(name=item.get("name") or f"{role}-{i}", url=item["url"].rstrip("/"), generation=item.get("generation") or "")
+        )
     return tuple(out)
 
 
@@ -128,8 +142,29 @@ def config_problems(config: RouterConfig, source: str = "router config") -> list
             f"{source}: workers: {config.workers} processes need shared sessions; set state to a redis:// URL "
             "(render does: a local redis-server on the router node)"
         )
+    problems += generation_problems(config, source)
+    if config.state.startswith(("redis+sentinel://", "rediss+sentinel://")):
+        from bpdkv.router.resp import parse_sentinel_url
+
+        try:
+            parse_sentinel_url(config.state)
+        except ValueError as exc:
+            problems.append(f"{source}: state: {exc}")
     if config.worker_count() > 1 and config.port == 0:
         problems.append(f"{source}: port: workers share one fixed port; 0 (any free port) would give each its own")
+    return problems
+
+
+def generation_problems(config: RouterConfig, source: str = "router config") -> list[str]:
+    """Every upstream names a listed generation once any does (else P and D could pair across one)."""
+    known = [g.id for g in config.generations]
+    problems = [f"{source}: generations: {g} is listed twice" for g in sorted({g for g in known if known.count(g) > 1})]
+    for role, members in (("prefill", config.prefill), ("decode", config.decode)):
+        for u in members:
+            if u.generation and u.generation not in known:
+                problems.append(f"{source}: {role} {u.name}: generation {u.generation!r} is not in generations")
+            elif not u.generation and known:
+                problems.append(f"{source}: {role} {u.name}: no generation (every upstream needs one when generations are listed)")
     return problems
 
 
@@ -152,6 +187,11 @@ def config_to_dict(config: RouterConfig) -> dict[str, Any]:
     data = asdict(config)
     data["prefill"] = [{"name": u.name, "url": u.url} for u in config.prefill]
     data["decode"] = [{"name": u.name, "url": u.url} for u in config.decode]
+    for key, members in (("prefill", config.prefill), ("decode", config.decode)):
+        for item, u in zip(data[key], members, strict=True):
+            if u.generation:
+                item["generation"] = u.generation
+    data["generations"] = [asdict(g) for g in config.generations]
     return data
 
 
@@ -184,6 +224,10 @@ def _build(data: dict[str, Any]) -> RouterConfig:
         state_password_file=data.get("state_password_file"),
         state_ca_file=data.get("state_ca_file"),
         local_redis_conf=data.get("local_redis_conf"),
+        generations=tuple(
+            GenerationSpec(g["id"], g.get("vllm"), g.get("model_root"), dict(g.get("fingerprint") or {}))
+            for g in data.get("generations") or ()
+        ),
     )
 
 
