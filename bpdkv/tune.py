@@ -410,7 +410,14 @@ def prometheus_query(base: str, at: float | None = None, timeout: float = 30.0) 
         params = {"query": expr}
         if at is not None:
             params["time"] = f"{at:.3f}"
-        text = fetch_text(base.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(params), timeout)
+        url = base.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(params)
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - the operator's own Prometheus
+                text = resp.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as exc:  # Prometheus explains a bad query in the body of its 400/422
+            text = exc.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise TuneError(f"{base}: {getattr(exc, 'reason', exc)}") from None
         return parse_query_answer(text, expr)
 
     return run

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from bpdkv import contracts
+from bpdkv.router.paths import TurnPath
+from bpdkv.router.sessions import Reuse
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -133,8 +135,14 @@ class RouterMetrics:
         self.reuse_misses = Counter(
             contracts.REUSE_MISSES_METRIC, "Continued turns that did not reuse D's KV, by cause", ["cause"], registry=r
         )
-        for cause in contracts.MissCause:  # every cause exported from the start (0), so rates exist before a miss
+        # Every cause and outcome exported from the start (0): a series born at its first event loses that event to
+        # Prometheus' increase() (no earlier sample), which `bpdkv tune --prometheus` reads.
+        for cause in contracts.MissCause:
             self.reuse_misses.labels(cause.value)
+        for outcome in Reuse:
+            self.reuse.labels(outcome.value)
+        for path in TurnPath:
+            self.new_tokens.labels(path.value)
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
