@@ -45,7 +45,7 @@ from bpdkv.router.turn import (
     local_params,
 )
 from bpdkv.router.upstream_http import UpstreamClient
-from bpdkv.router.upstreams import Pool, Upstream, check_all, health_loop
+from bpdkv.router.upstreams import Pool, build_members, check_all, health_loop
 
 log = logging.getLogger("bpdkv.router")
 T = TypeVar("T")
@@ -141,8 +141,8 @@ class Router:
         self.api_keys = security.KeyRing.load(config.api_keys_file)  # digests only: no key is held in memory
         self.admin_key = security.load_admin_key(config.admin_key_file)
         h = config.health
-        self.prefill = Pool("prefill", [Upstream(u.name, u.url, "prefill") for u in config.prefill], h.failures_to_eject, h.backoff_max)
-        self.decode = Pool("decode", [Upstream(u.name, u.url, "decode") for u in config.decode], h.failures_to_eject, h.backoff_max)
+        self.prefill = Pool("prefill", build_members(config.prefill, "prefill", config.generations), h.failures_to_eject, h.backoff_max)
+        self.decode = Pool("decode", build_members(config.decode, "decode", config.generations), h.failures_to_eject, h.backoff_max)
         self.client: UpstreamClient | None = None
         self.turn = PdTurn(self.prefill, self.decode, self.metrics, config.timeouts, self._session, clock)
         self._stop = asyncio.Event()

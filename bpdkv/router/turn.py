@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bpdkv import contracts
-from bpdkv.router import jsonbytes
+from bpdkv.router import generations, jsonbytes
 from bpdkv.router.config import Timeouts
 from bpdkv.router.metrics import RouterMetrics
 from bpdkv.router.sessions import settle_cause
@@ -172,6 +172,7 @@ class PdTurn:
         headers: dict[str, str],
         salt: str | None = None,
     ) -> Prefilled | Passthrough | NoUpstream:
+        d_params, d_holder = generations.settle_turn(self.prefill_pool, self.decode_pool, d_params, d_holder, self.metrics)
         last = "no prefill upstream available"
         fell_back = False
         offered = d_params is not None

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from bpdkv.router import generations
+from bpdkv.router.config import GenerationSpec, UpstreamSpec
 from bpdkv.router.upstream_http import UpstreamClient, UpstreamFailure, UpstreamTimeout
 
 log = logging.getLogger("bpdkv.router")
@@ -24,6 +27,7 @@ class UpstreamState(str, Enum):
     DRAINING = "draining"  # admin drain, requests still in flight
     DRAINED = "drained"  # admin drain, nothing in flight
     UNHEALTHY = "unhealthy"  # failed its health check or ejected after failures
+    MISMATCHED = "mismatched"  # the engine is not what its generation says (vLLM release or model): never used
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,13 @@ class Upstream:
     engine_load: EngineLoad | None = None  # the engine's own signals (None: never read)
     load_fresh_for: float = 3.0  # seconds an engine_load stays usable (STALE_AFTER load intervals)
     local_tokens: int = 0  # D: new tokens of continued turns sent here whose first byte has not come back yet
+    # Its generation (router/generations.py): P and D pair only within one; rank orders them (higher: newer).
+    generation: str = ""
+    generation_rank: int = 0
+    expect: GenerationSpec | None = None  # what the engine must report (GET /version, /v1/models); None: not checked
+    identity_verified: bool = False  # the engine answered as its generation says since it last went down
+    identity_problem: str | None = None  # what it reported instead
+    checks_since_identity: int = 0
 
     def fresh_load(self, now: float) -> EngineLoad | None:
         load = self.engine_load
@@ -75,9 +86,16 @@ class Upstream:
         return engine is not None and engine.kv_usage is not None and engine.kv_usage >= limit
 
     def available(self, now: float) -> bool:
-        return self.healthy and now >= self.ejected_until and not self.drained
+        return self.healthy and now >= self.ejected_until and not self.drained and self.identity_ok
+
+    @property
+    def identity_ok(self) -> bool:
+        """Never used before its engine confirmed its generation, nor after it reported another one."""
+        return self.identity_problem is None and (self.expect is None or self.identity_verified)
 
     def state(self, now: float) -> UpstreamState:
+        if self.identity_problem is not None:
+            return UpstreamState.MISMATCHED
         if self.drained:
             return UpstreamState.DRAINING if self.outstanding else UpstreamState.DRAINED
         if not (self.healthy and now >= self.ejected_until):
@@ -86,7 +104,13 @@ class Upstream:
 
     def describe(self, now: float) -> dict[str, object]:
         """The admin API's view of this upstream."""
-        return {"name": self.name, "role": self.role, "url": self.url, "state": self.state(now).value, "in_flight": self.outstanding}
+        view: dict[str, object] = {"name": self.name, "role": self.role, "url": self.url, "state": self.state(now).value}
+        view["in_flight"] = self.outstanding
+        if self.generation:
+            view["generation"] = self.generation
+        if self.identity_problem:
+            view["problem"] = self.identity_problem
+        return view
 
     def lease(self) -> Lease:
         return Lease(self)
@@ -105,7 +129,7 @@ class Upstream:
 
     def holds(self, engine: str | None, stored_at: float) -> bool:
         """Whether blocks this D stored at `stored_at` under `engine` can still be there."""
-        if not self.healthy or time.monotonic() < self.ejected_until:
+        if not self.healthy or time.monotonic() < self.ejected_until or not self.identity_ok:
             return False
         if engine is None or engine == self.suspect_engine or stored_at < self.restarted_at:
             return False
@@ -158,12 +182,14 @@ class Pool:
 
     def candidates(self, exclude: set[str]) -> list[Upstream]:
         now = self.clock()
-        live = [m for m in self.members if m.name not in exclude and m.available(now)]
+        scope = generations.scope()  # this turn's generation: P and D of no other may serve it
+        members = [m for m in self.members if m.name not in exclude and (scope is None or m.generation == scope)]
+        live = [m for m in members if m.available(now)]
         if live:
             return live
         # Everything ejected: try the ones not excluded anyway rather than failing without trying. Drained ones
-        # never: an operator took them out (a restart may be under way).
-        return [m for m in self.members if m.name not in exclude and not m.drained]
+        # never: an operator took them out (a restart may be under way); nor an engine not (yet) of its generation.
+        return [m for m in members if not m.drained and m.identity_ok]
 
     def pick(self, affinity: bytes | None = None, exclude: set[str] | None = None) -> Upstream | None:
         pool = self.candidates(exclude or set())
@@ -197,6 +223,64 @@ class Pool:
             log.warning("%s %s ejected for %.0fs: %s", self.role, member.name, backoff, error)
 
 
+def build_members(specs: tuple[UpstreamSpec, ...], role: str, known: tuple[GenerationSpec, ...] = ()) -> list[Upstream]:
+    """A pool's members from the config: each with its generation, its rank (newer: higher) and what its engine
+    must report at runtime (where the generation says: vLLM release, --model)."""
+    by_id = {g.id: (rank, g) for rank, g in enumerate(known)}
+    out = []
+    for spec in specs:
+        rank, gen = by_id.get(spec.generation, (0, None))
+        expect = gen if gen is not None and (gen.vllm or gen.model_root) else None
+        out.append(Upstream(spec.name, spec.url, role, generation=spec.generation, generation_rank=rank, expect=expect))
+    return out
+
+
+IDENTITY_EVERY = 30  # healthy checks between re-reads of an engine's identity (and after it went down or restarted)
+
+
+def _release(version: str) -> str:
+    return version.split("+", 1)[0].strip()
+
+
+async def check_identity(member: Upstream, client: UpstreamClient, timeout: float) -> None:
+    """Read what the engine says it is (vLLM's GET /version and GET /v1/models' `root`, the --model it runs) and compare
+    with its generation: a mis-rendered config must never pair engines that cannot read each other's KV. An engine
+    that cannot tell (no such endpoint, no root) is taken at its config's word for that part."""
+    want = member.expect
+    if want is None:
+        return
+    problem = None
+    if want.vllm:
+        version = await _read_json(client, member.url + "/version", timeout)
+        said = version.get("version") if isinstance(version, dict) else None
+        if isinstance(said, str) and _release(said) != _release(want.vllm):
+            problem = f"runs vLLM {said}; its generation {want.id} is vLLM {want.vllm}"
+    if problem is None and want.model_root:
+        models = await _read_json(client, member.url + "/v1/models", timeout)
+        data = models.get("data") if isinstance(models, dict) else None
+        roots = [d.get("root") for d in data if isinstance(d, dict) and d.get("root")] if isinstance(data, list) else []
+        if roots and want.model_root not in roots:
+            problem = f"serves {', '.join(map(str, roots))}; its generation {want.id} is {want.model_root}"
+    if problem != member.identity_problem:
+        if problem:
+            log.error("%s %s is not of its generation, not used: %s", member.role, member.name, problem)
+        elif member.identity_problem:
+            log.info("%s %s is of its generation %s again", member.role, member.name, want.id)
+    member.identity_problem = problem
+    member.identity_verified = problem is None
+    member.checks_since_identity = 0
+
+
+async def _read_json(client: UpstreamClient, url: str, timeout: float) -> object:
+    answer = await client.fetch("GET", url, None, {}, timeout)
+    if answer.status != 200:
+        return None
+    try:
+        return json.loads(answer.content)
+    except ValueError:
+        return None
+
+
 async def health_loop(pools: list[Pool], client: UpstreamClient, interval: float, timeout: float, stop: asyncio.Event) -> None:
     """Active checks: GET /health on every member each interval, bounded by the stop event."""
     while not stop.is_set():
@@ -225,6 +309,12 @@ async def check_member(pool: Pool, member: Upstream, client: UpstreamClient, tim
         ok, slow, err = False, True, type(exc).__name__
     except UpstreamFailure as exc:
         ok, err = False, type(exc).__name__
+    if ok and member.expect is not None and (not member.identity_verified or member.checks_since_identity >= IDENTITY_EVERY):
+        try:
+            await check_identity(member, client, timeout)
+        except UpstreamFailure as exc:
+            ok, err = False, f"identity: {type(exc).__name__}"  # its /version or /v1/models did not answer
+    member.checks_since_identity += 1
     if ok:
         if not member.healthy:
             log.info("%s %s healthy again", pool.role, member.name)
@@ -242,6 +332,7 @@ async def check_member(pool: Pool, member: Upstream, client: UpstreamClient, tim
             return False
     else:
         member.went_down = True
+        member.identity_verified = False  # it may come back as another engine: read what it is first
     if member.healthy:
         log.warning("%s %s failed health check: %s", pool.role, member.name, err)
     member.healthy = False
