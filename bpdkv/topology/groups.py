@@ -14,7 +14,7 @@ from typing import Any
 
 from bpdkv.errors import BpdkvError, Diagnostic, InvalidTopology
 from bpdkv.topology import schema
-from bpdkv.topology.hostnames import host_problem, shown
+from bpdkv.topology.hostnames import host_problem, name_room, node_name, shown
 from bpdkv.topology.profiles import find_profile, list_profiles, suggest
 from bpdkv.topology.yaml_source import LoadedDocument, PathKey, SourceMap, format_path
 
@@ -189,11 +189,22 @@ def expand_groups(doc: LoadedDocument, machines: Mapping[str, Sequence[Machine]]
             errors.append(_located(doc.source, where + ("ec2", "filters"), "matched no running EC2 instance; check the filters and region"))
         expected = group.get("instance_type")
         rows = []
+        room = name_room(group["instances"])
         for m in selected:
-            label = next((dns_label(v) for v in (m.attribute(k) for k in name_prefs) if v and dns_label(v)), dns_label(m.instance_id))
-            rows.append((label, m))
-        for label, m in sorted(rows, key=lambda r: (r[0], r[1].instance_id)):
+            key, value = next(((k, v) for k in name_prefs if (v := m.attribute(k)) and dns_label(v)), ("instance-id", m.instance_id))
+            rows.append((node_name(value, room), m, f"{key} = {shown(value)}"))
+        for label, m, named in sorted(rows, key=lambda r: (r[0], r[1].instance_id)):
             what = f"instance {m.instance_id} ({label})"
+            if not label:  # a name that cannot fit beside the layout's instance names (see name_room)
+                errors.append(
+                    _located(
+                        doc.source,
+                        where + ("instances",),
+                        f"instance {m.instance_id}: {named} cannot become a node name: the layout's instance names leave "
+                        f"{max(room, 0)} of 63 characters for it (at least 10 needed); shorten the instance names",
+                    )
+                )
+                continue
             if m.instance_id in owner:
                 errors.append(_located(doc.source, where + ("ec2", "filters"), f"{what} is also selected by group {owner[m.instance_id]}"))
                 continue

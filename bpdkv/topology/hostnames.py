@@ -7,6 +7,7 @@ so every one is checked here before it is used, and quoted (shlex) where it is s
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
 
@@ -61,3 +62,36 @@ def jump_host_problem(value: str) -> str | None:
 
 def user_problem(value: str) -> str | None:
     return None if _USER.match(value) else "is not a login name (letters, digits, '_', '.', '-', at most 32 characters)"
+
+
+MAX_UNIT_NAME = 63  # node and instance names are DNS labels (schema: dnsName)
+NAME_HASH = 8  # hex digits of SHA-256 that keep a shortened name apart from its neighbours
+
+
+def name_room(layout: list[dict[str, object]]) -> int:
+    """How long a node name may be for a group's layout: every instance is named `<node>-<name>` (or
+    `<node>-<role>-<k>`), and that too must be a DNS label of at most 63 characters."""
+    per_role: dict[str, int] = {}
+    longest = 0
+    for inst in layout:
+        role = str(inst.get("role", ""))
+        k = per_role.get(role, 0)
+        per_role[role] = k + 1
+        suffix = str(inst["name"]) if "name" in inst else f"{role}-{k}"
+        longest = max(longest, len(suffix) + 1)
+    return MAX_UNIT_NAME - longest
+
+
+def node_name(value: str, room: int) -> str:
+    """A tag value (any length AWS allows, any unicode) as a node name of at most `room` characters: lowercase
+    letters, digits and '-'. A longer one is cut and ends in '-' and 8 hex digits of the SHA-256 of the whole value,
+    so the same tag always makes the same name and two long tags that share their beginning stay apart.
+    '' when nothing fits (room < 10 for a value that needs the hash) or the value has no letter or digit."""
+    label = re.sub(r"[^a-z0-9]+", "-", value.lower()).strip("-")
+    if len(label) <= room:
+        return label
+    keep = room - NAME_HASH - 1
+    if keep < 1:
+        return ""
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:NAME_HASH]
+    return f"{label[:keep].rstrip('-')}-{digest}"
