@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from bpdkv import tune
 from bpdkv.contracts import TURN_GAP_METRIC, MissCause
@@ -170,3 +171,44 @@ def test_metrics_are_exported_before_any_miss(fleet_factory) -> None:  # type: i
     for cause in MissCause:
         assert f'bpdkv_router_reuse_misses_total{{cause="{cause.value}"}} 0.0' in text
     assert TURN_GAP_METRIC + '_bucket{le="3600.0"} 0.0' in text
+
+
+def _load(url: str, clients: int, seconds: float) -> list[threading.Thread]:
+    """`clients` conversations in parallel, each asking one question after another for about `seconds`."""
+    import time
+
+    end = time.monotonic() + seconds
+
+    def client(n: int) -> None:
+        i = 0
+        while time.monotonic() < end:
+            chat(url, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"client {n} question {i}"}])
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.parametrize(
+    ("p_settings", "d_settings", "advice"),
+    [
+        # P computes slowly and has one slot: requests queue at P.
+        ({"prefill_seconds_per_token": 0.004, "max_num_seqs": 1}, {"max_num_seqs": 1}, "2:1"),
+        # D streams slowly and has one slot: requests queue at D.
+        ({"max_num_seqs": 1}, {"token_interval": 0.02, "max_num_seqs": 1}, "1:2"),
+    ],
+    ids=["P-bound", "D-bound"],
+)
+def test_pd_advice_names_the_side_that_queues(fleet_factory, p_settings: dict[str, Any], d_settings: dict[str, Any], advice: str) -> None:  # type: ignore[no-untyped-def]
+    fleet = fleet_factory(p_settings=p_settings, d_settings=d_settings, router_changes={"reuse": False})
+    threads = _load(fleet.url, 6, 6.0)
+    try:
+        signals = tune.watch([fleet.url], [], duration_s=4, interval_s=0.5)
+    finally:
+        for t in threads:
+            t.join(timeout=30)
+    current = tune.Current(ttl_s=480, ttl_margin_s=10, hold_budget=0.5, local_max_tokens=0, prefill=1, decode=1)
+    rec = tune.recommend_ratio(signals, current)
+    assert rec.recommended == advice, (rec, signals.waiting)
