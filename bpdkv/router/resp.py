@@ -33,10 +33,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
 import ssl
 from collections import deque
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+try:
+    import hiredis
+except ImportError:  # a dependency of bpdkv; without it, the parser below (same replies, more CPU)
+    hiredis = None  # type: ignore[assignment]
 
 
 class RespError(Exception):
@@ -223,6 +229,40 @@ class _Protocol(asyncio.Protocol):
         self.owner._lost(self)
 
 
+class _HiredisProtocol(_Protocol):
+    """Replies parsed by hiredis (the C parser redis-py uses): ~10x less CPU per reply than parse() here
+    (docs/router.md, "The session store": the figures); the same replies, error replies as RespError values."""
+
+    def __init__(self, owner: RespClient, timeout: float) -> None:
+        super().__init__(owner, timeout)
+        self.reader = hiredis.Reader(replyError=RespError)
+
+    def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        reader.feed(data)
+        moved: RespError | None = None
+        try:
+            while (value := reader.gets()) is not False:
+                if not self.pending:
+                    raise RespConnectionError("a reply no command asked for")
+                fut, _ = self.pending.popleft()
+                if not fut.done():  # a caller that went away still had its reply read: the order stays right
+                    fut.set_result(value)
+                if type(value) is RespError and str(value).startswith(FAILOVER_ERRORS):
+                    moved = value
+        except (RespConnectionError, hiredis.ProtocolError) as exc:
+            self.fail(RespConnectionError(str(exc)))
+            return
+        if moved is not None:  # not the master (any more): the next command connects again (and discovers it)
+            self.fail(RespConnectionError(f"{self.owner.address}: {str(moved)[:80]}"))
+
+
+# BPDKV_RESP_PARSER=python: the parser above instead of hiredis (benchmarks/redis_capacity.py's A/B of the two).
+PROTOCOL: type[_Protocol] = (
+    _HiredisProtocol if hiredis is not None and os.environ.get("BPDKV_RESP_PARSER", "hiredis") != "python" else _Protocol
+)
+
+
 class RespClient:
     """redis:// or rediss:// URL (host, port, /db, user:password@ — a password given apart wins), or
     redis+sentinel:// / rediss+sentinel:// (parse_sentinel_url): the master the Sentinels name. The password and TLS
@@ -310,7 +350,7 @@ class RespClient:
         try:
             _, proto = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _Protocol(self, self.timeout),
+                    lambda: PROTOCOL(self, self.timeout),
                     self.host,
                     self.port,
                     ssl=self.ssl,
