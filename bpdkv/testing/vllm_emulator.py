@@ -72,6 +72,8 @@ class EmulatorSettings:
     reasoning_parser: bool = False  # vLLM's `gemma4` reasoning parser: thoughts apart from the content, reasoning_tokens
     max_num_seqs: int = 0  # engine slots: requests beyond them count as waiting in /metrics (0: unlimited)
     kv_capacity_tokens: int = 0  # KV cache size for /metrics' usage: held and running tokens over it (0: usage 0)
+    vllm_version: str = "0.32.0"  # GET /version; engines of different releases fail NIXL's handshake (no read)
+    model_root: str | None = None  # GET /v1/models' root (vLLM: the --model argument); None: not reported
 
 
 @dataclass
@@ -98,6 +100,7 @@ class VllmEmulator:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ]
         )
@@ -160,7 +163,20 @@ class VllmEmulator:
         return PlainTextResponse("", status_code=200 if self.healthy else 503)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.settings.model, "object": "model", "owned_by": "emulator"}]})
+        model = {"id": self.settings.model, "object": "model", "owned_by": "emulator"}
+        if self.settings.model_root is not None:
+            model["root"] = self.settings.model_root
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": self.settings.vllm_version})
+
+    def _other_release(self, peer: VllmEmulator | None) -> bool:
+        """A peer of another vLLM release: NIXL's handshake fails (its compatibility hash has the version)."""
+        if peer is not None and peer.settings.vllm_version != self.settings.vllm_version:
+            self.count("emulator_cross_generation_reads")
+            return True
+        return False
 
     async def metrics(self, request: Request) -> Response:
         lines = []
@@ -312,7 +328,13 @@ class VllmEmulator:
                 self.held.pop(str(rid), None)
         elif isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and role in ("decode", "both"):
             prefill = FABRIC.get(str(params.get(contracts.REMOTE_ENGINE_ID)))
-            held = prefill.held.pop(str(params.get(contracts.REMOTE_REQUEST_ID)), None) if prefill else None
+            held = (
+                None
+                if self._other_release(prefill)
+                else prefill.held.pop(str(params.get(contracts.REMOTE_REQUEST_ID)), None)
+                if prefill
+                else None
+            )
             if held is not None:
                 external = min(len(held.tokens), len(tokens))
                 self.count("nixl_xfer_count")
@@ -441,6 +463,8 @@ class VllmEmulator:
         if plugin and isinstance(expires_at, (int, float)) and expires_at - time.time() < decide.DEFAULT_EXPIRY_GUARD:
             return 0, None, "expiring"  # the bpdkv connector computes locally instead of reading expiring blocks
         decode = FABRIC.get(str(params.get(contracts.REMOTE_ENGINE_ID)))
+        if self._other_release(decode):
+            return vllm_error(500, "NIXL handshake failed: incompatible remote engine", None, "InternalServerError")
         held = decode.held.get(str(params.get(contracts.REMOTE_REQUEST_ID))) if decode else None
         now = time.perf_counter()
         if plugin and params.get(contracts.FENCE) and (held is None or held.expires_at - now < DECLINE_WITHIN):
@@ -472,8 +496,15 @@ class VllmEmulator:
         link = f"{params.get(contracts.REMOTE_HOST)}:{params.get(contracts.REMOTE_PORT)}"
         bs = self.settings.block_size
         if plugin:  # the connector's cost model: pull, pull a prefix, or compute locally (and let D's hold go)
+            hint = params.get(contracts.LINK_ESTIMATE)  # D's estimate of the link, as the connector reads it
+            rate = hint.get("bytes_per_s") if isinstance(hint, dict) else None
+            fit = cost.Fit(float(hint.get("overhead_s") or 0.0), 1.0 / rate) if isinstance(rate, (int, float)) and rate > 0 else None
             choice = self.book.decide(
-                link, cost.Request(n, bs, bs * BYTES_PER_TOKEN, self.settings.kv_recompute_threshold), time.monotonic()
+                link,
+                cost.Request(n, bs, bs * BYTES_PER_TOKEN, self.settings.kv_recompute_threshold),
+                time.monotonic(),
+                fit,
+                decode.engine_id,  # a D engine not pulled from yet: the shortest pull (the handshake), as the connector
             )
             self.count(f"emulator_decisions:{choice.outcome.value}:{choice.reason.value}")
             if not choice.pulls:
