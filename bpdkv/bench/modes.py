@@ -75,6 +75,10 @@ class BenchRun:
     def errors(self) -> int:
         return sum(s["errors"] for s in self.summaries)
 
+    def exit_code(self, allow_warm: bool = False) -> int:
+        """1 when a request failed, or a mode did not start fresh (P already held its prompts) unless allowed."""
+        return 1 if self.errors or (self.not_fresh and not allow_warm) else 0
+
     def ratio_lines(self) -> list[str]:
         lines = []
         for p_cache in ("on", "off"):

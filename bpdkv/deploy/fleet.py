@@ -552,3 +552,20 @@ def destroy_topology(topology: str, parallel: int, connect: ConnectorFactory, pr
         return destroy(fleet, parallel, connect, progress, keep_packages)
     finally:
         fleet.close()
+
+
+def inventory(topology: str) -> tuple[ValidatedTopology, Inventory | None]:
+    """`bpdkv inventory`: the validated topology and the instances its EC2 node groups select now (None: no groups)."""
+    return load_with_inventory(topology)
+
+
+def wheelhouse(topology: str, out: Path, python_version: str | None, platform: str | None) -> list[str]:
+    """`bpdkv wheelhouse build`: fill `out`; the lines saying what it holds and what to do next."""
+    from bpdkv.deploy.bootstrap import build_wheelhouse
+
+    house = build_wheelhouse(load_topology(Path(topology), topology).topology, out, python_version, platform)
+    size = sum((out / f).stat().st_size for f in house.files) / 1e6
+    return [
+        f"{out}: {len(house.files)} files, {size:.1f} MB, bpdkv {house.source_digest}, Python {house.python}",
+        f"set bootstrap.wheelhouse: {out} in the topology; apply pushes it and installs with --no-index",
+    ]

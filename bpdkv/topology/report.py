@@ -33,6 +33,21 @@ class ValidationReport:
         }
 
 
+@dataclass(frozen=True)
+class ValidationRun:
+    """`bpdkv validate` over several files: exit 1 when any file has an error."""
+
+    reports: list[ValidationReport]
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if all(r.valid for r in self.reports) else 1
+
+
+def validate_files(paths: list[str] | tuple[str, ...]) -> ValidationRun:
+    return ValidationRun([validate_file(path) for path in paths])
+
+
 def validate_file(path: str) -> ValidationReport:
     from bpdkv.topology.validate import load_topology
 
