@@ -163,6 +163,10 @@ def _reap(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
+class _ProxyNotStarted(Exception):
+    """The proxy command could not be started at all."""
+
+
 class _JumpFailed(Exception):
     """The jump host itself failed (its connect, or its forwarding to the node): `cause` is what it raised."""
 
@@ -182,7 +186,13 @@ class _Connection(Connection):
             # As fabric does it (a dummy ssh_config expands what proxy_command() left: '~'), with our ProxyCommand.
             config = paramiko.SSHConfig()
             config.parse(io.StringIO(f"Host {self.host}\n    ProxyCommand {self.gateway}"))
-            self.proxy = _Proxy(config.lookup(self.host)["proxycommand"])
+            command = config.lookup(self.host)["proxycommand"]
+            try:
+                self.proxy = _Proxy(command)
+            except (OSError, ValueError) as exc:  # not found, not executable, unbalanced quotes
+                program = (command.split() or ["?"])[0]
+                said = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                raise _ProxyNotStarted(f"proxy_command could not start: {program}: {said}") from None
             return self.proxy
         try:
             return super().open_gateway()
@@ -355,6 +365,8 @@ class SshConnector:
             conn.open()
         except Exception as exc:  # noqa: BLE001 - every way a connect fails becomes one line about this host
             proxy: _Proxy | None = getattr(conn, "proxy", None)
+            if isinstance(exc, _ProxyNotStarted):
+                raise ConnectorError(node.name, one_line(f"unreachable: {where}: {exc}")) from None
             if isinstance(exc, _JumpFailed):
                 message = _jump_failure(exc.cause, node)
             else:
