@@ -540,7 +540,13 @@ def logs(
 
 @main.command()
 @click.argument("topology", type=click.Path(path_type=str))
-@click.option("--watch", "watch_for", default="60s", show_default=True, help="Sample the fleet's /metrics for this long (30s, 5m).")
+@click.option(
+    "--watch",
+    "watch_for",
+    default="60s",
+    show_default=True,
+    help="Sample the fleet's /metrics for this long (30s, 5m; Ctrl-C ends it early).",
+)
 @click.option("--interval", default="5s", show_default=True, help="Between two samples with --watch.")
 @click.option("--prometheus", help="Read the window from this Prometheus server instead (its HTTP API).")
 @click.option("--since", default="6h", show_default=True, help="The window with --prometheus (30m, 6h, 1d).")

@@ -379,24 +379,42 @@ def watch(
     fetch: Callable[[str], str] = fetch_text,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Signals:
-    """Scrape the routers' and D's /metrics every interval for duration (at least twice) → Signals."""
+    """Scrape the routers' and D's /metrics every interval for duration (at least twice) → Signals. Ctrl-C
+    (KeyboardInterrupt) ends the watch early: one last scrape, and the window is what was watched."""
     if not routers:
         raise TuneError("no router to watch")
     steps = max(int(duration_s // interval_s), 1)
     router_scrapes: list[list[Sample]] = []
     decode_scrapes: list[list[Sample]] = []
-    for step in range(steps + 1):
-        if step:
-            sleep(duration_s / steps)
-        router_scrapes.append([s for url in routers for s in parse_exposition(fetch(url.rstrip("/") + "/metrics"))])
+
+    def scrape() -> None:
+        got = [s for url in routers for s in parse_exposition(fetch(url.rstrip("/") + "/metrics"))]
         scraped: list[Sample] = []
         for url in decodes:
             try:
                 scraped += parse_exposition(fetch(url.rstrip("/") + "/metrics"))
             except TuneError:
                 continue  # D's gauges are optional evidence; the router's are the signals
+        router_scrapes.append(got)
         decode_scrapes.append(scraped)
-    return signals_from_scrapes(router_scrapes, decode_scrapes, duration_s)
+
+    start = time.monotonic()
+    stop = False
+    for step in range(steps + 1):
+        if step:
+            try:
+                sleep(duration_s / steps)
+            except KeyboardInterrupt:
+                stop = True
+        for _ in range(10):  # a Ctrl-C during a scrape: finish it (again), then stop
+            try:
+                scrape()
+                break
+            except KeyboardInterrupt:
+                stop = True
+        if stop and len(router_scrapes) >= 2:
+            break
+    return signals_from_scrapes(router_scrapes, decode_scrapes, time.monotonic() - start if stop else duration_s)
 
 
 # ---- Prometheus' HTTP API ---------------------------------------------------------------------------------------------

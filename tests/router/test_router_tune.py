@@ -118,30 +118,42 @@ def test_tune_watch_recommends_the_p90_and_the_predicted_hit_rate_comes_true(fle
 
 
 def test_tune_cli_watch_against_the_router(fleet_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """`bpdkv tune TOPOLOGY --router URL --watch 3s --output json`, a real process, while the traffic runs; then
-    --write-override writes the fragment, and `bpdkv plan`'s loader takes the topology with it merged."""
+    """`bpdkv tune TOPOLOGY --router URL --watch 10m --output json --write-override FILE`, a real process: the traffic
+    runs between its first scrape and a Ctrl-C (which ends the watch with one last scrape); the JSON carries the
+    recommendation and the override fragment the new TTL."""
+    import signal
+    import time
+
     now = [10_000.0]
     fleet = fleet_factory(router_changes={"session_ttl": 100.0, "expiry_margin": 10.0}, clock=lambda: now[0])
+    metrics = fleet.routers[0].metrics
+    scrapes: list[int] = []
+    exposition = metrics.exposition
+    metrics.exposition = lambda: (scrapes.append(1), exposition())[1]  # counts the CLI's scrapes, answers as before
     override = tmp_path / "tune.yaml"
     cmd = [sys.executable, "-m", "bpdkv.cli", "tune", str(ROOT / "examples/local-cpu.yaml"), "--router", fleet.url]
-    cmd += ["--watch", "4s", "--interval", "1s", "--output", "json", "--write-override", str(override)]
+    cmd += ["--watch", "10m", "--interval", "1s", "--output", "json", "--write-override", str(override)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     try:
-        worker = threading.Thread(target=_workload, args=(fleet.url, now, "cli"))
-        worker.start()
-        worker.join(timeout=120)
+        deadline = time.monotonic() + 60
+        while not scrapes and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert scrapes, "the CLI never scraped the router"
+        _workload(fleet.url, now, "cli")
+        proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=10)
     assert proc.returncode == 0, err.decode()
     result = json.loads(out)
     by = {r["setting"]: r for r in result["recommendations"]}
     ttl = by["decoder_kv_blocks_ttl"]
-    assert ttl["recommended"] is not None and 0.8 * 270 <= ttl["recommended"] <= 1.2 * 270, ttl
+    assert ttl["predicted"]["gaps"] == len(THINK)
+    assert ttl["recommended"] == 280, ttl  # the p90 (270 s) + the topology's TTL margin (10 s)
     assert by["P:D"]["current"] == "1:1"
-    fragment = override.read_text()
-    assert f"decoder_kv_blocks_ttl: {ttl['recommended']}" in fragment
+    assert f"decoder_kv_blocks_ttl: {ttl['recommended']}" in override.read_text()
 
 
 def test_tune_cli_says_why_when_the_router_is_down(tmp_path: Path) -> None:
