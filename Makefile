@@ -16,10 +16,10 @@ setup: $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 
 # The live demo needs root on Linux (test hosts); elsewhere `bpdkv demo` explains why and shows the offline plan.
-# It needs bpdkv's own dependencies and the lab's (extra `lab`), not the dev tools `setup` adds for the tests.
+# It needs bpdkv's own dependencies and the lab's (extra `lab`), not the dev tools `setup` adds for the tests;
+# `bpdkv demo --install` itself installs the system packages its test hosts need (as a wheel-only user runs it).
 demo: $(PY)
 	$(PY) -m pip install -q -e '.[lab]'
-	if [ "$$(id -u)" = 0 ]; then sh .ci/install-test-deps.sh; fi
 	$(VENV)/bin/bpdkv demo --install
 
 lint:

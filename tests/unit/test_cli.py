@@ -138,3 +138,25 @@ def test_demo_without_root_explains_and_shows_the_offline_plan(monkeypatch: pyte
     assert result.exit_code == 0, result.output
     assert "the live demo cannot run here: test hosts need root" in result.output
     assert "plan for topology local-cpu" in result.output and "install package bpdkv" in result.output
+
+
+def test_demo_names_the_system_packages_it_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root with sshd and nsenter absent: one line naming the Debian packages and both ways to get them; --install
+    without apt-get says what to install instead of failing later."""
+    import bpdkv.demo
+
+    real_which = bpdkv.demo.shutil.which
+    monkeypatch.setattr(bpdkv.demo.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(
+        bpdkv.demo.shutil, "which", lambda tool: None if tool in ("nsenter", "/usr/sbin/sshd", "apt-get") else real_which(tool)
+    )
+    monkeypatch.setattr(bpdkv.demo, "Path", lambda p: Path("/nonexistent") / str(p).lstrip("/"))
+    assert bpdkv.demo.missing_system_packages() == ["util-linux", "openssh-server"]
+    assert bpdkv.demo.can_run_locally() == (
+        "missing util-linux openssh-server: run `sudo bpdkv demo --install`, or apt-get install -y util-linux openssh-server"
+    )
+    result = CliRunner().invoke(main, ["demo", "--install"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "the demo needs util-linux openssh-server: install them with this system's package manager, then run again"
+    ]
