@@ -544,7 +544,8 @@ class RedisStore:
     reuse. Through bpdkv.router.resp (one pipelined connection per process, not redis-py's pool: see there why).
 
     Commands per chat turn: the take (one script: the first candidate of this history, read and deleted), EXISTS of
-    its released mark, SET of the next turn's entry; other prompts MGET, judge, then compare-and-delete. Every
+    its released mark, SET of the next turn's entry with its end mark (one round trip; a miss reads the marks: MGET);
+    other prompts MGET, judge, then compare-and-delete. Every
     command touches one key or keys of one hash slot (a lookup's candidates share their conversation's hash tag,
     sessions.identify), so a Redis Cluster can shard them."""
 
