@@ -65,6 +65,7 @@ class EmulatorSettings:
     max_hang: float = 600.0  # bound of the "recompute" hang
     prefix_caching: bool = True  # False emulates a P whose cache was evicted between turns
     prefill_plugin: bool = False  # P runs the bpdkv connector: refuses expiring blocks, cuts pulls where tokens differ
+    pull_decision: str = contracts.DEFAULT_PULL_DECISION  # the connector's bpdkv_pull_decision: cost | threshold
     # P's connector also says how many tokens it read from D (bpdkv_pulled_tokens), as the plugin does in its recorded
     # answers (tests/data/vllm_contract/pd_prefill_*); False emulates a plugin from before that count.
     report_pulled_tokens: bool = True
@@ -495,9 +496,11 @@ class VllmEmulator:
         assert decode is not None
         link = f"{params.get(contracts.REMOTE_HOST)}:{params.get(contracts.REMOTE_PORT)}"
         bs = self.settings.block_size
-        if plugin:  # the connector's cost model: pull, pull a prefix, or compute locally (and let D's hold go)
+        if plugin and self.settings.pull_decision == contracts.PULL_DECISION_COST:
+            # the connector's cost model: pull, pull a prefix, or compute locally (and let D's hold go)
             hint = params.get(contracts.LINK_ESTIMATE)  # D's estimate of the link, as the connector reads it
-            rate = hint.get("bytes_per_s") if isinstance(hint, dict) else None
+            hint = hint if isinstance(hint, dict) else {}
+            rate = hint.get("bytes_per_s")
             fit = cost.Fit(float(hint.get("overhead_s") or 0.0), 1.0 / rate) if isinstance(rate, (int, float)) and rate > 0 else None
             choice = self.book.decide(
                 link,
@@ -519,7 +522,7 @@ class VllmEmulator:
         self.count("nixl_xfer_seconds", seconds)
         started = time.monotonic()
         await asyncio.sleep(seconds)
-        if plugin:
+        if plugin and self.settings.pull_decision == contracts.PULL_DECISION_COST:
             probe = choice.outcome is cost.Outcome.PROBE
             self.book.observe_pull(link, decode.engine_id, n * BYTES_PER_TOKEN, time.monotonic() - started, time.monotonic(), probe)
         theirs = held.tokens[: cached + n]

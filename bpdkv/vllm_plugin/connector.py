@@ -64,6 +64,11 @@ LINK_GAUGES = {
     "bpdkv_link_break_even_bytes_per_second": "P: the rate below which no pull from this link pays",
 }
 P_GAUGES = {"bpdkv_prefill_tokens_per_second": "P: its own measured prefill rate (cost model; 0: none yet)"}
+# Predictions held to account on both sides (issue 34 item 5): side p = P pulling D's blocks (its cost model's choices),
+# side d = D pulling P's blocks (the estimate D sends P as contracts.LINK_ESTIMATE). Stats keys "<name>|<side>".
+SIDE_RATIO = "bpdkv_pull_time_ratio"  # histogram: a measured pull's seconds / what its link estimate predicted
+SIDE_MISPREDICTED = "bpdkv_pull_mispredictions"  # counter: pulls SURPRISE× slower than predicted (P: and failed reads)
+RATIO_BUCKETS = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0, 8.0, 16.0, 32.0)
 SLOW_LINK_CAUSES = (
     "usual causes: UCX on EFA (NIXL falls back to TCP; set kv_transfer.backend: LIBFABRIC), P and D sharing one GPU, "
     "no GPUDirect RDMA / peer access between the devices, a congested or cross-rack network"
@@ -124,6 +129,7 @@ class _Pull:
     predicted: float | None
     started: float  # P's monotonic clock at the decision
     probe: bool = False  # cost.Outcome.PROBE
+    side: str = "p"  # p: P pulling D's blocks; d: D pulling P's (SIDE_RATIO)
 
 
 def _link_key(params: dict[str, Any]) -> str:
@@ -228,6 +234,17 @@ def _prom_metrics_class() -> Any:
                 )
                 for key, doc in LINK_GAUGES.items()
             }
+            self.bpdkv_ratio = self._histogram_cls(
+                name=f"vllm:{SIDE_RATIO}",
+                documentation="Measured pull time / the link estimate's prediction (side p: P pulling D's KV; d: D pulling P's)",
+                labelnames=[*labelnames, "side"],
+                buckets=list(RATIO_BUCKETS),
+            )
+            self.bpdkv_side_mispredicted = self._counter_cls(
+                name=f"vllm:{SIDE_MISPREDICTED}",
+                documentation="Pulls much slower than their link estimate predicted (cost.SURPRISE x), by side (p | d)",
+                labelnames=[*labelnames, "side"],
+            )
             for key, doc in P_GAUGES.items():
                 gauge = self._gauge_cls(name=f"vllm:{key}", documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent")
                 self.bpdkv_gauges[key] = create_metric_per_engine(gauge, self.per_engine_labelvalues)
@@ -253,6 +270,11 @@ def _prom_metrics_class() -> Any:
                     self.bpdkv_link_counters[name].labels(*engine, labels[0]).inc(sum(values))
                 elif name in self.bpdkv_link_gauges and len(labels) == 1:
                     self.bpdkv_link_gauges[name].labels(*engine, labels[0]).set(values[-1])
+                elif name == SIDE_RATIO and len(labels) == 1:
+                    for value in values:
+                        self.bpdkv_ratio.labels(*engine, labels[0]).observe(value)
+                elif name == SIDE_MISPREDICTED and len(labels) == 1:
+                    self.bpdkv_side_mispredicted.labels(*engine, labels[0]).inc(sum(values))
 
     return BpdkvPromMetrics
 
@@ -414,7 +436,8 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             reason = cost.Reason.ASKED if params.get(contracts.PULL_ALWAYS) else cost.Reason.THRESHOLD_ONLY
             choice = cost.Choice(cost.Outcome.PULLED, reason, offered, predicted)
         else:
-            choice = self._book.decide(key, req, now, _hint(params.get(contracts.LINK_ESTIMATE)))
+            engine = str(params.get(contracts.REMOTE_ENGINE_ID))  # a new one on this link (a restart): the shortest pull
+            choice = self._book.decide(key, req, now, _hint(params.get(contracts.LINK_ESTIMATE)), engine)
         log.debug("bpdkv cost model for %s from %s: %s", rid, key, choice)
         if not choice.pulls:
             self._decline(params, choice)
@@ -456,9 +479,18 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         data.setdefault(f"bpdkv_pulls_measured|{pull.link}", []).append(1)
         if predicted is not None:
             data.setdefault(f"bpdkv_pull_predicted_seconds|{pull.link}", []).append(predicted)
+        if predicted is not None and predicted > 0:
+            data.setdefault(f"{SIDE_RATIO}|{pull.side}", []).append(seconds / predicted)
         if mispredicted:
             data.setdefault(f"bpdkv_pull_mispredicted|{pull.link}", []).append(1)
-            log.warning("bpdkv: pull from %s took %.3f s, predicted %.3f s: estimate updated", pull.link, seconds, predicted or 0.0)
+            data.setdefault(f"{SIDE_MISPREDICTED}|{pull.side}", []).append(1)
+            log.warning(
+                "bpdkv: %s pull from %s took %.3f s, predicted %.3f s: estimate updated",
+                "P's" if pull.side == "p" else "D's",
+                pull.link,
+                seconds,
+                predicted or 0.0,
+            )
         self._computes[rid] = (now, 0)  # the tail after a pull is no sample of P's rate (cost.Book.observe_compute)
         self._report_link(pull.link, now)
 
@@ -473,6 +505,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if measured:
             self._book.observe_failure(pull.link, pull.nbytes, now - pull.started, now)
         self._stats.data.setdefault(f"bpdkv_pull_mispredicted|{pull.link}", []).append(1)
+        self._stats.data.setdefault(f"{SIDE_MISPREDICTED}|{pull.side}", []).append(1)
         self._report_link(pull.link, now)
 
     def _report_link(self, key: str, now: float) -> None:
@@ -624,7 +657,8 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if num_external_tokens > 0 and isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and rid not in self._pulls:
             # D pulling P's blocks: the same link, measured every turn; D's answer carries its estimate for P.
             nbytes = num_external_tokens / self._block_size * self._bytes_per_block
-            self._pulls[rid] = _Pull(_link_key(params), str(params.get(contracts.REMOTE_ENGINE_ID)), nbytes, None, time.monotonic())
+            key, engine = _link_key(params), str(params.get(contracts.REMOTE_ENGINE_ID))
+            self._pulls[rid] = _Pull(key, engine, nbytes, self._book.link(key).estimate.predict(nbytes), time.monotonic(), side="d")
         if num_external_tokens == 0 and rid not in self._computes:
             # P computes it all from here: a sample of P's own prefill rate when it finishes after one token.
             prompt_tokens = int(getattr(request, "num_prompt_tokens", 0) or len(request.prompt_token_ids or []))

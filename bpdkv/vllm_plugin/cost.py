@@ -14,7 +14,17 @@ The model, per request, after the digest check (bpdkv/vllm_plugin/decide.py) has
   pin lease and k >= kv_recompute_threshold (the floor). Saving(k) = recompute(k) - pull(k) is linear in k past the
   overhead (and concave once attention makes later tokens dearer), so the best k is the whole offer or, when the
   whole pull would outlast the lease ceiling, the longest prefix that fits (a partial pull); never an interior point.
-- No estimate yet (a new link, no seed) → pull as before: the pull measures the link.
+- No blind pull (issue 34). The first contact with a D engine (a new P, or D's engine id changed: a restart) pays the
+  NIXL handshake and is not fitted: it is the shortest pull (one block, at least the threshold), a probe. With nothing
+  measured or seeded for the link the next offer is a bounded probe: at most FIRST_PROBE_SHARE of the offer and
+  FIRST_PROBE_BYTES (first_probe_tokens; smaller where D's estimate of the link says it is slow). No sequence of
+  observations makes a pull larger than that before the link has a measurement of its own.
+- A pull is only as large as the evidence justifies: at most REACH × the largest pull measured on the link, unless the
+  pessimistic reading of the samples (all of a sample's time is rate: seconds × bytes / sample bytes — true for any
+  overhead ≥ 0) already predicts the whole pull pays. Past the reach, a pull that pays is a partial pull
+  (partial/evidence_reach); a slow verdict on an offer beyond the reach is a bigger probe (probe/small_samples, its
+  extra cost within PROBE_MAX_S), never a recompute: small pulls are mostly fixed cost, and a fit on them alone (2×H200:
+  57 MB in 13 ms read as 3.6 GB/s, below break-even, on a ~100 GB/s link) must not condemn a fast link.
 - A link predicted slower is re-measured by a probe: at most once per probe interval (doubling while it stays slow,
   up to PROBE_INTERVAL_MAX), P pulls a short prefix whose predicted extra cost is bounded (PROBE_SHARE of the
   request's recompute time, at least PROBE_MIN_BUDGET_S, never more than PROBE_MAX_S) and computes the rest. A probe
@@ -29,7 +39,10 @@ The model, per request, after the digest check (bpdkv/vllm_plugin/decide.py) has
   sample at once: the next decision sees it.
 - D measures the same link every turn when it pulls P's blocks, and says what it measured on its answer
   (contracts.LINK_ESTIMATE); P takes it as a free probe: while P's estimate says the link is slow, a D estimate
-  SURPRISE× faster makes the next offer probe at once, one that agrees postpones P's own probe by an interval.
+  SURPRISE× faster makes the next offer probe at once, one that agrees postpones P's own probe by an interval. And
+  while P's estimate says pull, a D estimate SURPRISE× slower for the pull (P's estimate may be stale: a link throttled
+  since P last pulled) turns the pull into a probe sized on D's estimate (probe/d_slower; its lease from D's prediction,
+  so it cannot outlast its pin); a probe that finds P right ignores D's slower estimates for an interval.
 """
 
 from __future__ import annotations
@@ -59,6 +72,9 @@ PROBE_INTERVAL_MAX = 480.0
 PROBE_SHARE = 0.1
 PROBE_MIN_BUDGET_S = 0.02
 PROBE_MAX_S = 1.0
+REACH = 8.0  # a pull at most this many times the largest measured pull (unless the pessimistic reading says it pays)
+FIRST_PROBE_BYTES = 1 << 20  # the probe before any measurement of the link: at most this many bytes ...
+FIRST_PROBE_SHARE = 0.25  # ... and this share of the offer (at least one block and the threshold)
 PROBE_TELL = 2 * SURPRISE  # a probe after an inconclusive one: predicted (slow) at this many times that one's seconds
 # The pin lease P asks for: headroom × predicted + slack, within [floor, ceiling].
 LEASE_HEADROOM = 2.0
@@ -77,7 +93,12 @@ class Outcome(enum.Enum):
 
 class Reason(enum.Enum):
     LINK_FASTER = "link_faster"
-    NO_ESTIMATE = "no_estimate"  # nothing measured or seeded for this link or for P's compute yet: pull as before
+    NO_ESTIMATE = "no_estimate"  # nothing measured or seeded for this link yet: a bounded probe (first_probe_tokens)
+    NO_COMPUTE = "no_compute_estimate"  # the link is measured, P's own prefill rate not yet: pull within the evidence
+    FIRST_CONTACT = "first_contact"  # a D engine not pulled from yet (P or D restarted): the shortest pull (handshake)
+    EVIDENCE_REACH = "evidence_reach"  # the pull pays, but only this much of it is backed by measured pulls
+    SMALL_SAMPLES = "small_samples"  # predicted slower on small (overhead-dominated) pulls only: a bigger probe
+    D_SLOWER = "d_slower"  # D measured the link much slower than P's estimate: a probe sized on D's estimate
     THRESHOLD_ONLY = "threshold_only"  # bpdkv_pull_decision: threshold
     ASKED = "asked"  # the request asked for the pull (contracts.PULL_ALWAYS: bpdkv calibrate measuring it)
     LINK_SLOWER = contracts.PULL_LINK_SLOWER
@@ -190,6 +211,9 @@ class Link:
     probe_floor_s: float | None = None
     hints_ignored_until: float = -math.inf  # a probe sized to tell was slow: D's estimate does not trigger probes
     slow: bool = False  # below break-even at the last look
+    largest_bytes: float = 0.0  # the largest pull measured (fitted) on this link: how far its evidence reaches
+    d_probe: bool = False  # a probe made because D's estimate was much slower than P's (Reason.D_SLOWER) is in flight
+    slow_hints_ignored_until: float = -math.inf  # such a probe found P's estimate right: D's slower ones are ignored
     pulls: int = 0
     mispredicted: int = 0
 
@@ -237,6 +261,35 @@ def longest_pull(ceiling: float) -> float:
     return max((ceiling - LEASE_SLACK_S) / LEASE_HEADROOM, 0.0)
 
 
+def floor_tokens(req: Request) -> int:
+    """The shortest pull: one whole block, at least the threshold."""
+    bs = req.block_size
+    floor = max(req.threshold, bs)
+    return floor + (-floor) % bs
+
+
+def first_probe_tokens(req: Request, hint: Fit | None = None, compute: Fit | None = None) -> int:
+    """The probe before any measurement of the link: whole blocks, at least the floor, at most FIRST_PROBE_SHARE of the
+    offer and FIRST_PROBE_BYTES; where D's estimate of the link (`hint`) and P's rate are known, no longer than a probe
+    sized on D's estimate (probe_tokens). Never more than the offer."""
+    bs = req.block_size
+    n = req.tokens - req.tokens % bs if bs > 0 else 0
+    floor = floor_tokens(req)
+    by_bytes = int(FIRST_PROBE_BYTES / req.bytes_per_block) * bs if req.bytes_per_block > 0 else n
+    k = min(int(FIRST_PROBE_SHARE * n), by_bytes)
+    if hint is not None and compute is not None and compute.slope > 0:
+        k = min(k, probe_tokens(req, hint, compute.slope, n))
+    k -= k % bs
+    return min(max(k, floor), n)
+
+
+def _tokens_in(nbytes: float, req: Request) -> int:
+    """Whole-block tokens within `nbytes`."""
+    if req.bytes_per_block <= 0 or not math.isfinite(nbytes):
+        return req.tokens
+    return int(nbytes / req.bytes_per_block) * req.block_size
+
+
 def choose(
     req: Request,
     link: Fit | None,
@@ -245,36 +298,65 @@ def choose(
     lease_ceiling: float = DEFAULT_LEASE_MAX_S,
     probe_due: bool = False,
     probe_floor_s: float | None = None,
+    reach_bytes: float | None = None,
 ) -> Choice:
     """How many of the offered tokens to pull. `link`: seconds against bytes; `compute`: seconds against tokens.
-    `probe_floor_s`: Link.probe_floor_s (a probe is sized to tell a slow link from a fixed cost that large)."""
+    `probe_floor_s`: Link.probe_floor_s (a probe is sized to tell a slow link from a fixed cost that large).
+    `reach_bytes`: the largest pull the link's measurements back (Book.reach_bytes; None: no limit, e.g. a seed)."""
     bs = req.block_size
     n = req.tokens - req.tokens % bs if bs > 0 else 0
     if req.tokens <= 0 or n <= 0 or (req.threshold > 0 and n < req.threshold):
         return Choice(Outcome.RECOMPUTED, Reason.BELOW_THRESHOLD, 0)
-    if link is None or compute is None or compute.slope <= 0:
-        return Choice(Outcome.PULLED, Reason.NO_ESTIMATE, n, link.at(_bytes(n, req)) if link else None)
+    spt = compute.slope if compute is not None and compute.slope > 0 else None
+    floor = floor_tokens(req)
+    reach_k = n if reach_bytes is None else min(max(_tokens_in(reach_bytes, req), floor), n)
+    if link is None:  # nothing measured or seeded: never the whole prefix (issue 34: no blind pull)
+        k = first_probe_tokens(req)
+        return Choice(Outcome.PROBE, Reason.NO_ESTIMATE, k, None, k * spt if spt else None)
     per_token_pull = link.slope * req.bytes_per_block / bs
-    spt = compute.slope
+    longest = longest_pull(lease_ceiling)
 
     def pull(k: int) -> float:
         return link.at(_bytes(k, req))
 
+    def within_lease(k: int) -> int:
+        if pull(k) <= longest:
+            return k
+        j = int(max(longest - link.intercept, 0.0) / per_token_pull) if per_token_pull > 0 else k
+        return min(j - j % bs, k)
+
+    if spt is None:  # P's own rate not measured yet: pull what the link's evidence and the lease allow
+        k = within_lease(reach_k)
+        if k < floor:
+            return Choice(Outcome.RECOMPUTED, Reason.LEASE_CEILING, 0, pull(n))
+        return Choice(Outcome.PULLED if k == n else Outcome.PARTIAL, Reason.NO_COMPUTE, k, pull(k))
+
     def pays(k: int) -> bool:
         return pull(k) <= (1.0 - margin) * k * spt
 
-    longest = longest_pull(lease_ceiling)
-    if pays(n) and pull(n) <= longest:
-        return Choice(Outcome.PULLED, Reason.LINK_FASTER, n, pull(n), n * spt)
-    floor = max(req.threshold, bs)
     if pays(n):
-        # The whole pull pays but outlasts the lease ceiling: the longest prefix that fits, if it still pays (the
-        # overhead weighs more on a shorter pull).
-        k = int(max(longest - link.intercept, 0.0) / per_token_pull) if per_token_pull > 0 else n
-        k = min(k - k % bs, n)
+        if pull(n) <= longest and n <= reach_k:
+            return Choice(Outcome.PULLED, Reason.LINK_FASTER, n, pull(n), n * spt)
+        # The whole pull pays but outlasts the lease ceiling, or goes beyond what the link's measurements back: the
+        # longest prefix within both, if it still pays (the overhead weighs more on a shorter pull).
+        k, reason = within_lease(n), Reason.LEASE_CEILING
+        if k > reach_k:
+            k, reason = reach_k, Reason.EVIDENCE_REACH
         if k >= floor and pays(k) and pull(k) <= longest:
-            return Choice(Outcome.PARTIAL, Reason.LEASE_CEILING, k, pull(k), k * spt)
-        return Choice(Outcome.RECOMPUTED, Reason.LEASE_CEILING, 0, pull(n), n * spt)
+            return Choice(Outcome.PARTIAL, reason, k, pull(k), k * spt)
+        if reason is Reason.EVIDENCE_REACH and k >= floor and pull(k) <= longest and pull(k) - k * spt <= PROBE_MAX_S:
+            return Choice(Outcome.PROBE, reason, k, pull(k), k * spt)  # too short to pay alone: it grows the evidence
+        return Choice(Outcome.RECOMPUTED, reason, 0, pull(n), n * spt)
+    if reach_bytes is not None and reach_k < n:
+        # Predicted slower, but on pulls much smaller than this offer (mostly fixed cost): a bigger probe, not a
+        # verdict — as far as the reach and PROBE_MAX_S of extra cost allow, if that is bigger than what was measured.
+        extra_per_token = per_token_pull - spt
+        k = reach_k
+        if extra_per_token > 0:
+            k = min(k, int((PROBE_MAX_S - link.intercept) / extra_per_token))
+        k = within_lease(k - k % bs)
+        if k >= floor and _bytes(k, req) >= 2 * reach_bytes / REACH:
+            return Choice(Outcome.PROBE, Reason.SMALL_SAMPLES, k, pull(k), k * spt)
     if probe_due:
         k = probe_tokens(req, link, spt, n, probe_floor_s)
         if k:
@@ -383,15 +465,72 @@ class Book:
             found = self.links[key] = Link(estimate, probe_interval=self.probe_interval)
         return found
 
-    def decide(self, key: str, req: Request, now: float, hint: Fit | None = None) -> Choice:
+    def reach_bytes(self, link: Link, req: Request) -> float | None:
+        """The largest pull the link's measurements back: REACH × the largest measured one; None (no limit) for a seeded
+        link not measured yet, or where even the pessimistic reading of the window (all of each sample's time is rate,
+        an upper bound for any overhead) predicts the whole offer pays within the lease."""
+        samples = list(link.estimate.samples)
+        if not samples or link.largest_bytes <= 0:
+            return None if link.estimate.seeded is not None else FIRST_PROBE_BYTES
+        compute = self.compute.fit
+        n_bytes = choice_bytes(req)
+        if compute is not None and compute.slope > 0 and n_bytes > 0:
+            worst = min(t * max(n_bytes / x, 1.0) for x, t in samples if x > 0)
+            n = req.tokens - req.tokens % req.block_size
+            if worst <= (1.0 - self.margin) * n * compute.slope and worst <= longest_pull(self.lease_ceiling):
+                return None
+        return REACH * link.largest_bytes
+
+    def decide(self, key: str, req: Request, now: float, hint: Fit | None = None, engine: str | None = None) -> Choice:
         """`hint`: the other end's estimate of this link (D's pulls of P's blocks, contracts.LINK_ESTIMATE). While P's
         own estimate says pulling does not pay, a hint SURPRISE× faster for this offer makes it a probe at once (the
-        link may have recovered); a hint that agrees postpones P's own probe (the link is being measured anyway)."""
+        link may have recovered); a hint that agrees postpones P's own probe (the link is being measured anyway). While
+        P's estimate says pull, a hint SURPRISE× slower for that pull makes it a probe sized on the hint (Reason.D_SLOWER).
+        `engine`: D's engine id; one not pulled from on this link yet (a restart of P or D) gets the shortest pull."""
         link = self.link(key)
         if link.next_probe is None:
             link.next_probe = now + link.probe_interval
+        compute = self.compute.fit
+        reach = self.reach_bytes(link, req)
+        choice = choose(req, link.estimate.fit, compute, self.margin, self.lease_ceiling, False, reach_bytes=reach)
+        if choice.reason is Reason.BELOW_THRESHOLD:
+            return choice
+        spt = compute.slope if compute is not None and compute.slope > 0 else None
+        if engine is not None and engine not in link.engines:
+            # First contact: the pull pays the NIXL handshake and is not fitted — the shortest one, whatever is known.
+            k = floor_tokens(req)
+            fit = link.estimate.fit or hint
+            return Choice(Outcome.PROBE, Reason.FIRST_CONTACT, k, fit.at(_bytes(k, req)) if fit else None, k * spt if spt else None)
+        if choice.reason is Reason.SMALL_SAMPLES and hint is not None and spt is not None:
+            n = req.tokens - req.tokens % req.block_size
+            if hint.at(choice_bytes(req)) > (1.0 - self.margin) * n * spt:
+                # D's estimate (its pulls of P's blocks: whole prompts) condemns the whole offer too: evidence at size.
+                reach = None
+                choice = choose(req, link.estimate.fit, compute, self.margin, self.lease_ceiling, False)
+        if link.estimate.fit is None:
+            if hint is not None and spt is not None:  # D has measured the link: a probe no longer than its estimate allows
+                k = first_probe_tokens(req, hint, compute)
+                return Choice(Outcome.PROBE, Reason.NO_ESTIMATE, k, hint.at(_bytes(k, req)), k * spt)
+            return choice
+        if (
+            hint is not None
+            and choice.pulls
+            and choice.outcome is not Outcome.PROBE
+            and choice.predicted_pull_s
+            and now >= link.slow_hints_ignored_until
+            and hint.at(_bytes(choice.tokens, req)) > SURPRISE * choice.predicted_pull_s
+        ):
+            # D measured the link much slower than P's estimate (P's may be stale): decide on D's, probing if it says
+            # slower — its lease sized on D's prediction, so the read cannot outlast its pin.
+            on_d = choose(req, hint, compute, self.margin, self.lease_ceiling, True)
+            if on_d.outcome is Outcome.PROBE:
+                link.d_probe = True
+                return Choice(Outcome.PROBE, Reason.D_SLOWER, on_d.tokens, on_d.predicted_pull_s, on_d.predicted_recompute_s)
+            if not on_d.pulls:
+                return Choice(Outcome.RECOMPUTED, Reason.LINK_SLOWER, 0, on_d.predicted_pull_s, on_d.predicted_recompute_s)
+            if on_d.tokens <= choice.tokens:
+                return on_d
         probe_due = now >= link.next_probe
-        choice = choose(req, link.estimate.fit, self.compute.fit, self.margin, self.lease_ceiling, False)
         if hint is not None and choice.reason is Reason.LINK_SLOWER and choice.predicted_pull_s:
             offered = choice_bytes(req)
             if hint.at(offered) * SURPRISE < choice.predicted_pull_s:
@@ -400,8 +539,8 @@ class Book:
                 probe_due = False
                 link.next_probe = max(link.next_probe, now + link.probe_interval)
         if choice.reason is Reason.LINK_SLOWER and probe_due:
-            choice = choose(req, link.estimate.fit, self.compute.fit, self.margin, self.lease_ceiling, True, link.probe_floor_s)
-        if choice.outcome is Outcome.PROBE:
+            choice = choose(req, link.estimate.fit, compute, self.margin, self.lease_ceiling, True, link.probe_floor_s, reach)
+        if choice.outcome is Outcome.PROBE and choice.reason is Reason.PROBE_DUE:
             link.next_probe = now + link.probe_interval
             link.probe_interval = min(link.probe_interval * 2, max(PROBE_INTERVAL_MAX, self.probe_interval))
         elif choice.outcome is Outcome.RECOMPUTED and choice.reason is Reason.LINK_SLOWER and probe_due:
@@ -421,6 +560,11 @@ class Book:
         if first:
             return link.estimate.predict(nbytes), False
         predicted = link.estimate.observe(nbytes, seconds)
+        link.largest_bytes = max(link.largest_bytes, nbytes)
+        if link.d_probe:
+            link.d_probe = False
+            if predicted is not None and seconds <= SURPRISE * predicted:  # P's estimate was right, not D's slower one
+                link.slow_hints_ignored_until = now + link.probe_interval
         recovered = predicted is not None and seconds * SURPRISE < predicted
         if recovered:
             link.probe_interval = self.probe_interval  # recovered: probe again at the first pace if it slows
@@ -448,6 +592,8 @@ class Book:
         link.next_probe = max(link.next_probe or 0.0, now + link.probe_interval)
         predicted = link.estimate.predict(nbytes) or 0.0
         link.estimate.observe(nbytes, max(elapsed, SURPRISE * predicted * 1.01, 1e-3))
+        link.largest_bytes = max(link.largest_bytes, nbytes)
+        link.d_probe = False
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
         """P computed `tokens` prompt tokens itself (a whole prefill) in `seconds`. Short ones are mostly fixed cost."""

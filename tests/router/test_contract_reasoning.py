@@ -44,7 +44,9 @@ def answer(url: str, messages: list[dict[str, Any]], stream: bool, **extra: Any)
 
 
 def test_dropped_thought_is_a_partial_hit_and_the_pull_is_cut(fleet_factory, thinking_reference: str) -> None:  # type: ignore[no-untyped-def]
-    fleet = fleet_factory(p_settings={"prefill_plugin": True, "reasoning_parser": True}, d_settings={"reasoning_parser": True})
+    # The digest cut alone (no cost model: its first contact with D would be a one-block probe, issue 34).
+    p_settings = {"prefill_plugin": True, "reasoning_parser": True, "pull_decision": contracts.PULL_DECISION_THRESHOLD}
+    fleet = fleet_factory(p_settings=p_settings, d_settings={"reasoning_parser": True})
     prefill = fleet.prefill[0]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},

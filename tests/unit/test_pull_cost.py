@@ -111,10 +111,17 @@ def test_the_cases_by_name() -> None:
     assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.RECOMPUTED, Reason.LINK_SLOWER, 0)
     assert cost.choose(request(1024, threshold=2048), fast, Fit(0, spt)).reason is Reason.BELOW_THRESHOLD
     assert cost.choose(request(20), fast, Fit(0, spt)).reason is Reason.BELOW_THRESHOLD  # not one whole block
-    # Nothing measured yet: pull as before (the pull measures the link).
-    for link, compute in ((None, Fit(0, spt)), (fast, None), (None, None)):
-        choice = cost.choose(request(1024), link, compute)
-        assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.NO_ESTIMATE, 1024)
+    # Nothing measured yet: a bounded probe, never the whole prefix (issue 34).
+    for compute in (Fit(0, spt), None):
+        choice = cost.choose(request(1024), None, compute)
+        assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PROBE, Reason.NO_ESTIMATE, 256)  # a quarter
+    big = cost.choose(request(100_000), None, Fit(0, spt))  # and at most FIRST_PROBE_BYTES (16 blocks of 64 KiB)
+    assert (big.outcome, big.tokens) == (Outcome.PROBE, 16 * BS)
+    # The link measured, P's rate not yet: pull, as far as the evidence reaches.
+    choice = cost.choose(request(1024), fast, None)
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.NO_COMPUTE, 1024)
+    choice = cost.choose(request(1024), fast, None, reach_bytes=8 * BPB)
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PARTIAL, Reason.NO_COMPUTE, 8 * BS)
     # Pulling pays but the whole pull outlasts the longest lease: the prefix that fits, the rest computed.
     big = 100_000
     ok = Fit(0.01, 1 / 2e7)  # 20 MB/s: the whole offer (205 MB) in ~10 s, computing it 100 s
@@ -329,3 +336,149 @@ def test_d_s_estimate_of_the_link_is_a_free_probe() -> None:
     nbytes = probe.tokens / BS * BPB
     book.observe_pull("d:1", "e1", nbytes, 0.001 + nbytes / 1e9, now + 1.1)
     assert book.decide("d:1", request(4096), now + 1.2, fast_hint).outcome is Outcome.PULLED
+
+
+# ---- issue 34: no blind pull; small pulls do not condemn a fast link; D's fresher estimate stops a stale pull ----------
+
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("compute"), st.integers(1, 20_000), st.floats(1e-4, 10.0)),
+        st.tuples(st.just("first_pull"), st.floats(1e3, 1e9), st.floats(1e-4, 30.0)),
+        st.tuples(st.just("decide"), st.integers(0, 200_000), st.none() | st.tuples(st.floats(0, 1), st.floats(1e3, 1e11))),
+        st.tuples(st.just("wait"), st.floats(0, 1000)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=300)
+@given(events, thresholds, st.sampled_from([16, 32, 64]), st.floats(1e3, 1e7), st.booleans())
+def test_no_pull_larger_than_the_probe_bound_before_any_evidence(
+    seq: list[tuple], threshold: int, bs: int, bpb: float, with_engine: bool
+) -> None:
+    """Whatever P computes, whatever D says of the link, however long it waits and however many first contacts (not
+    fitted: they pay the handshake) it makes: until a pull of its own is measured, no decision pulls more than
+    first_probe_tokens — never the whole prefix of a large offer."""
+    book, now = cost.Book(), 0.0
+    for i, event in enumerate(seq):
+        if event[0] == "compute":
+            book.observe_compute(event[1], event[2])
+        elif event[0] == "first_pull":
+            book.observe_pull("d:1", f"engine-{i}", event[1], event[2], now)  # each engine's first: not fitted
+        elif event[0] == "wait":
+            now += event[1]
+        else:
+            req = cost.Request(event[1], bs, bpb, threshold)
+            hint = Fit(*event[2]) if event[2] else None
+            hint = Fit(hint.intercept, 1 / hint.slope) if hint else None
+            choice = book.decide("d:1", req, now, hint, engine="fresh" if with_engine else None)
+            assert choice.tokens <= cost.first_probe_tokens(req), (choice, req)
+            assert not choice.pulls or choice.outcome is Outcome.PROBE
+            if choice.pulls:
+                assert choice.tokens % bs == 0 and choice.tokens >= max(threshold, bs)
+    assert book.link("d:1").estimate.fit is None  # no evidence was ever fitted
+
+
+@settings(max_examples=300)
+@given(
+    st.floats(1e9, 2e11),  # a fast link: 1 .. 200 GB/s
+    st.floats(1e-4, 0.02),  # its fixed cost per pull
+    st.floats(2e-5, 1e-3),  # P's seconds per token
+    st.integers(2_000, 64_000),  # the offers
+    st.floats(140e3, 300e3),  # bytes per token (an 8B-class model: ~144 kB)
+)
+def test_a_fast_link_is_not_condemned_by_overhead_dominated_samples(
+    rate: float, overhead: float, spt: float, tokens: int, bpt: float
+) -> None:
+    """P's first pulls are small (the probes), so their time is mostly the fixed cost. Where the whole pull pays on the
+    true link, P never computes an offer for 'link slower': each decision pulls (a prefix, or a bigger probe), and
+    within a few offers it pulls the whole offer."""
+    bs, bpb = 16, 16 * bpt
+    true = Fit(overhead, 1 / rate)
+    req = cost.Request(tokens, bs, bpb, 64)
+    n = tokens - tokens % bs
+    assume(true.at(n * bpt) <= 0.8 * n * spt * 0.9 and true.at(n * bpt) <= cost.longest_pull(cost.DEFAULT_LEASE_MAX_S))
+    book = cost.Book()
+    for k in (500, 1000, 2000):
+        book.observe_compute(k, k * spt)
+    whole_at = None
+    for i in range(12):
+        choice = book.decide("d:1", req, float(i), engine="e1")
+        assert choice.pulls, (i, choice)  # never condemned
+        assert choice.reason is not Reason.LINK_SLOWER
+        nbytes = choice.tokens / bs * bpb
+        book.observe_pull("d:1", "e1", nbytes, true.at(nbytes), float(i) + 0.5, choice.outcome is Outcome.PROBE)
+        if choice.tokens == n:
+            whole_at = i if whole_at is None else whole_at
+    assert whole_at is not None and whole_at <= 6, whole_at
+    assert book.decide("d:1", req, 20.0, engine="e1").tokens == n
+
+
+def test_the_two_h200_case_by_name() -> None:
+    """2×H200 over NVLink (vLLM 0.34, 8B-shaped, P cache off): P's first two pulls were small (57 MB in 13 ms), a fit
+    on them put the link at 3.6 GB/s — below the 6.4 GB/s break-even — and P recomputed on a ~100 GB/s link. Now those
+    samples lead to a bigger probe, and the one after pulls the whole offer."""
+    bs, bpb = 16, 16 * 147_456.0  # Qwen3-8B: 144 KiB per token
+    spt = 147_456 / (6.4e9 / 0.8) * 1.0  # P's rate at which 6.4 GB/s is break-even (margin 0.2)
+    book = cost.Book()
+    for k in (1000, 2000, 4000):
+        book.observe_compute(k, k * spt)
+    book.observe_pull("d:1", "e1", 2e6, 0.05, 0.0)  # the handshake
+    book.observe_pull("d:1", "e1", 28.5e6, 0.0065, 1.0)
+    book.observe_pull("d:1", "e1", 28.5e6, 0.0065, 2.0)
+    assert book.link("d:1").bytes_per_s < 6.4e9  # the fit alone would condemn the link
+    req = cost.Request(8000, bs, bpb, 64)
+    choice = book.decide("d:1", req, 3.0, engine="e1")
+    assert (choice.outcome, choice.reason) == (Outcome.PROBE, Reason.SMALL_SAMPLES), choice
+    nbytes = choice.tokens / bs * bpb
+    assert nbytes >= 2 * 28.5e6
+    book.observe_pull("d:1", "e1", nbytes, 0.005 + nbytes / 100e9, 3.5, probe=True)  # the real link: ~100 GB/s
+    choice = book.decide("d:1", req, 4.0, engine="e1")
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.LINK_FASTER, 8000)
+
+
+def test_first_contact_with_an_engine_is_the_shortest_pull() -> None:
+    """A restarted D (new engine id on the same side channel) or a fresh P: the first pull pays the handshake and is
+    not fitted — one block (at least the threshold), whatever the link's estimate says; then the estimate decides."""
+    book = book_with(rate=1e9)
+    choice = book.decide("d:1", request(4096, threshold=64), 1.0, engine="e2")
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PROBE, Reason.FIRST_CONTACT, 64)
+    book.observe_pull("d:1", "e2", 64 / BS * BPB, 0.5, 1.5, probe=True)  # slow: the handshake
+    assert book.link("d:1").bytes_per_s == pytest.approx(1e9, rel=1e-6)  # not fitted
+    choice = book.decide("d:1", request(4096, threshold=64), 2.0, engine="e2")
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.LINK_FASTER, 4096)
+    fresh = cost.Book()  # P restarted: first contact, then a bounded probe (nothing measured), never the whole prefix
+    fresh.observe_compute(1000, 0.1)
+    first = fresh.decide("d:1", request(4096, threshold=64), 0.0, engine="e2")
+    assert (first.outcome, first.reason, first.tokens) == (Outcome.PROBE, Reason.FIRST_CONTACT, 64)
+    fresh.observe_pull("d:1", "e2", 64 / BS * BPB, 0.5, 0.5, probe=True)
+    second = fresh.decide("d:1", request(4096, threshold=64), 1.0, engine="e2")
+    assert (second.outcome, second.reason) == (Outcome.PROBE, Reason.NO_ESTIMATE)
+    assert second.tokens == cost.first_probe_tokens(request(4096, threshold=64)) < 4096
+
+
+def test_d_s_slower_estimate_stops_a_pull_on_a_stale_fast_one() -> None:
+    """The CPU lab at 1 mbit: P's estimate was from a faster link, D had measured 0.125 MB/s; P pulled, the read outlasted its
+    pin lease and was thrown away. Now D's estimate, SURPRISE× slower, turns the pull into a probe sized on it — its
+    predicted time (and so its lease) from D's estimate, within the lease ceiling."""
+    spt = 1 / 1178
+    book = book_with(rate=10e6, overhead=0.0, spt=spt)  # 80 mbit
+    d_says = Fit(0.01, 1 / 0.125e6)  # 1 mbit
+    req = request(1024)  # 2 MiB
+    assert book.decide("d:1", req, 1.0).outcome is Outcome.PULLED  # on P's estimate alone: a pull of ~2 s
+    choice = book.decide("d:1", req, 2.0, d_says)
+    assert (choice.outcome, choice.reason) == (Outcome.PROBE, Reason.D_SLOWER), choice
+    nbytes = choice.tokens / BS * BPB
+    assert choice.predicted_pull_s == pytest.approx(d_says.at(nbytes))
+    assert choice.predicted_pull_s - choice.tokens * spt <= cost.PROBE_MAX_S
+    assert cost.lease_for(choice.predicted_pull_s, cost.DEFAULT_LEASE_MAX_S) >= 2 * d_says.at(nbytes)
+    book.observe_pull("d:1", "e1", nbytes, d_says.at(nbytes), 3.0, probe=True)  # D was right
+    after = book.decide("d:1", req, 4.0, d_says)
+    assert (after.outcome, after.reason) == (Outcome.RECOMPUTED, Reason.LINK_SLOWER)
+    # D wrong (its own pulls slowed by something else): the probe finds P right, and D's slower word is set aside.
+    book = book_with(rate=10e6, overhead=0.0, spt=spt)
+    choice = book.decide("d:1", req, 2.0, d_says)
+    assert choice.reason is Reason.D_SLOWER
+    nbytes = choice.tokens / BS * BPB
+    book.observe_pull("d:1", "e1", nbytes, nbytes / 10e6, 3.0, probe=True)
+    assert book.decide("d:1", req, 4.0, d_says).outcome is Outcome.PULLED
