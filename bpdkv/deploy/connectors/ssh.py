@@ -96,10 +96,10 @@ class _Proxy(paramiko.ProxyCommand):
     def send(self, content: bytes) -> int:
         try:
             assert self.process.stdin is not None
-            self.process.stdin.write(content)
+            sent = self.process.stdin.write(content)  # unbuffered: may be short; paramiko's write_all sends the rest
         except OSError as exc:
             raise self._failed(exc.strerror or str(exc)) from None
-        return len(content)
+        return len(content) if sent is None else sent
 
     def recv(self, size: int) -> bytes:
         stdout = self.process.stdout
