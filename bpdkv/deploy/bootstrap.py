@@ -44,7 +44,12 @@ class PackageChange:
 
     @property
     def line(self) -> str:
-        return f"{self.name}: {self.old or '(none)'} → {self.new}"
+        new = self.new
+        if new.split(" ")[0] == "any":  # no version pinned (bootstrap.nixl_version unset): say where it comes from
+            from_base = "(from base_venv)" in new
+            new = "whichever base_venv has" if from_base else "the newest release"
+            new += f" (bootstrap.{self.name}_version not set)"
+        return f"{self.name}: {self.old or '(none)'} → {new}"
 
 
 def needs_vllm(node: Node) -> bool:
