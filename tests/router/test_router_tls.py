@@ -87,6 +87,11 @@ class CertificateAuthority:
             os.replace(tmp, path)
 
 
+def trust(ca: Path) -> ssl.SSLContext:
+    """A client context trusting only `ca` (httpx deprecates verify=<path>)."""
+    return ssl.create_default_context(cafile=str(ca))
+
+
 def peer_serial(port: int, ca: Path) -> int:
     ctx = ssl.create_default_context(cafile=str(ca))
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
@@ -136,7 +141,7 @@ def https_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(url + "/health", verify=str(ca.path), timeout=1).status_code == 200:
+                if httpx.get(url + "/health", verify=trust(ca.path), timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -151,18 +156,18 @@ def https_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 
 def test_clients_verify_the_router_certificate(https_router: dict[str, Any]) -> None:
     url, ca = https_router["url"], https_router["ca"]
-    assert httpx.get(url + "/health", verify=str(ca.path), timeout=5).status_code == 200
+    assert httpx.get(url + "/health", verify=trust(ca.path), timeout=5).status_code == 200
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
         httpx.get(url + "/health", timeout=5)  # the system CAs do not know the self-signed one
     other = CertificateAuthority(https_router["folder"], "another CA")
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-        httpx.get(url + "/health", verify=str(other.path), timeout=5)
+        httpx.get(url + "/health", verify=trust(other.path), timeout=5)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{https_router['port']}/health", timeout=5)  # no plain HTTP on the port
 
 
 def test_tenant_keys_by_hash_and_nowhere_in_logs_or_metrics(https_router: dict[str, Any]) -> None:
-    url, ca = https_router["url"], str(https_router["ca"].path)
+    url, ca = https_router["url"], trust(https_router["ca"].path)
     body = {"model": "emulated", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}], "max_tokens": 8}
     for key in (KEY_A, KEY_B):
         resp = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, verify=ca, timeout=30)
@@ -186,7 +191,7 @@ def test_certificate_is_reloaded_on_change_without_restart(https_router: dict[st
     while peer_serial(port, ca.path) != 1002:
         assert time.monotonic() < deadline, "the renewed certificate was not picked up within 10 s"
         time.sleep(0.2)
-    assert httpx.get(https_router["url"] + "/health", verify=str(ca.path), timeout=5).status_code == 200
+    assert httpx.get(https_router["url"] + "/health", verify=trust(ca.path), timeout=5).status_code == 200
     # A broken renewal (key and certificate that do not match) keeps the previous pair serving.
     https_router["key"].write_text("-----BEGIN PRIVATE KEY-----\nbroken\n-----END PRIVATE KEY-----\n")
     time.sleep(1.5)
@@ -207,7 +212,7 @@ def test_renewal_reaches_new_connections_while_an_open_stream_finishes(https_rou
     headers = {"authorization": f"Bearer {KEY_B}"}
     started = time.monotonic()
     with (
-        httpx.Client(verify=str(ca.path), timeout=30) as client,
+        httpx.Client(verify=trust(ca.path), timeout=30) as client,
         client.stream("POST", https_router["url"] + "/v1/chat/completions", json=body, headers=headers) as resp,
     ):
         assert resp.status_code == 200
