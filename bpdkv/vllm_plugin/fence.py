@@ -208,11 +208,11 @@ class FenceServer:
                     result = "gone"
                 lease = float(result) if isinstance(result, (int, float)) else None
                 reply = answer_message(token, lease, None if lease is not None else str(result))
+            self._answered(arrived)  # counted before the answer leaves: whoever has the answer sees it counted
             try:
                 self._sock.sendto(reply, peer)
             except OSError:
                 pass  # P resends its ask
-            self._answered(arrived)
 
     def stop(self) -> None:
         self._stop.set()
