@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,19 @@ class BootstrapError(BpdkvError):
     pass
 
 
+class PackageAction(StrEnum):
+    INSTALL = "install"
+    UPGRADE = "upgrade"
+    REINSTALL = "reinstall"  # same version number, other code (bpdkv's build)
+    NONE = "none"
+
+
 @dataclass(frozen=True)
 class PackageChange:
     name: str
     old: str | None  # None: not installed
     new: str
-    action: str  # install | upgrade | reinstall | none
+    action: PackageAction
 
     @property
     def line(self) -> str:
@@ -124,13 +132,13 @@ def package_changes(topology: Topology, node: Node, versions: dict[str, str], so
             have = versions.get(name)
             same = have is not None and version in ("any", have)
         if have is None:
-            action = "install"
+            action = PackageAction.INSTALL
         elif same:
-            action = "none"
+            action = PackageAction.NONE
         elif name == "bpdkv" and have.split(" ")[0] == __version__:
-            action = "reinstall"  # same version number, other code: nodes must run exactly the CLI's build
+            action = PackageAction.REINSTALL  # same version number, other code: nodes must run exactly the CLI's build
         else:
-            action = "upgrade"
+            action = PackageAction.UPGRADE
         changes.append(PackageChange(name, have, have if (same and have) else want, action))
     return changes
 
