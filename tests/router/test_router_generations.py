@@ -7,6 +7,7 @@ another generation (and the engines, which fail a cross-release pull as NIXL's h
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -16,6 +17,8 @@ from bpdkv import contracts
 from bpdkv.bench.runner import metric_value
 from bpdkv.router.app import Router
 from bpdkv.router.config import GenerationSpec, HealthSettings, PathSettings, RouterConfig, Timeouts, UpstreamSpec
+from bpdkv.router.upstream_http import UpstreamClient
+from bpdkv.router.upstreams import build_members, check_identity
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
 from tests.router.helpers import SYSTEM, chat
 
@@ -171,4 +174,33 @@ def test_an_engine_that_is_not_of_its_generation_is_never_paired(reference: str)
         assert assert_no_cross_generation(groups) > 0
     finally:
         router_group.stop()
+        group.stop()
+
+
+def test_the_identity_check_reads_the_engine_release_and_model() -> None:
+    """check_identity against real emulated engines: the right one is confirmed, another release or model is named."""
+    right = VllmEmulator(EmulatorSettings(role="decode", vllm_version="0.32.0", model_root="tiny-model"))
+    other_model = VllmEmulator(EmulatorSettings(role="decode", vllm_version="0.32.0+cpu", model_root="/models/other"))
+    silent = VllmEmulator(EmulatorSettings(role="decode", vllm_version="0.32.0"))  # no root in /v1/models: cannot tell
+    group = ServerGroup([right.app, other_model.app, silent.app])
+    urls = group.start()
+    try:
+        specs = tuple(UpstreamSpec(name, u, NEW.id) for name, u in zip(("right", "other", "silent"), urls, strict=True))
+        members = build_members(specs, "decode", (NEW,))
+
+        async def check_all_three() -> None:
+            client = UpstreamClient(2.0)
+            try:
+                for m in members:
+                    await check_identity(m, client, 5.0)
+            finally:
+                await client.close()
+
+        asyncio.run(check_all_three())
+        by_name = {m.name: m for m in members}
+        assert by_name["right"].identity_verified and by_name["right"].identity_problem is None
+        assert by_name["other"].identity_problem == f"serves /models/other; its generation {NEW.id} is tiny-model"
+        assert not by_name["other"].available(0.0)
+        assert by_name["silent"].identity_verified  # taken at its config's word where the engine cannot tell
+    finally:
         group.stop()
