@@ -55,7 +55,8 @@ def test_a_proxy_command_that_fails_for_one_host_is_one_line_with_its_exit_statu
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
     assert result.stderr.splitlines() == [f"host2: reachable: unreachable: root@10.213.0.12:22: proxy_command exited 255: {DENIED}"]
     # The two hosts the proxy reaches are planned as usual.
-    assert "host1 (10.213.0.11): create" in result.stdout and "host3 (10.213.0.13): create" in result.stdout, result.stdout
+    assert "host1 (10.213.0.11)\n  + /etc/bpdkv/prefill-0.env" in result.stdout, result.stdout
+    assert "host3 (10.213.0.13)\n  + /etc/bpdkv/router-0.env" in result.stdout, result.stdout
 
 
 def test_a_jump_host_that_cannot_reach_its_node_is_one_line(hosts: TestHosts, tmp_path: Path) -> None:
