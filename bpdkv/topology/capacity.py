@@ -141,6 +141,8 @@ def instance_capacity(t: Topology, node: Node, inst: Instance) -> Capacity | Non
     if node.gpu_memory_gib is None:
         return None
     utilization, _ = gpu_memory_utilization(args)
+    if inst.gpu_memory_share is not None:  # the shared-GPU layout: the topology's share is what bpdkv renders
+        utilization = inst.gpu_memory_share
     return gpu_capacity(t.model, size, node.gpu_memory_gib, inst.tp, inst.kv_cache_dtype, utilization, hold)
 
 

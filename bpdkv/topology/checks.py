@@ -12,7 +12,7 @@ from bpdkv.secret_refs import plaintext_secret_findings
 from bpdkv.topology.capacity import capacity_problems
 from bpdkv.topology.hostnames import host_problem, jump_host_problem, shown, user_problem
 from bpdkv.topology.model import Instance, Node, Topology
-from bpdkv.topology.vllm_args import owned_arg_problems, turns_off
+from bpdkv.topology.vllm_args import option_value, owned_arg_problems, turns_off
 from bpdkv.topology.yaml_source import PathKey
 
 # First vLLM release with bidirectional_kv_xfer in the NixlConnector.
@@ -182,8 +182,12 @@ def gpu_assignment(t: Topology) -> Iterator[Problem]:
                     other = used[gpu]
                     if other is inst:
                         yield Problem(inst.path + ("gpus", gi), f"GPU {gpu} is listed twice")
-                    else:
-                        yield Problem(inst.path + ("gpus", gi), f"GPU {gpu} is also used by '{other.name}' on node {node.name}")
+                    elif inst.gpu_memory_share is None or other.gpu_memory_share is None:
+                        yield Problem(
+                            inst.path + ("gpus", gi),
+                            f"GPU {gpu} is also used by '{other.name}' on node {node.name}; to share one GPU give both "
+                            f"gpu_memory_share (their shares adding up to at most {SHARED_GPU_MAX})",
+                        )
                 else:
                     used[gpu] = inst
             if inst.tp * inst.dp != len(inst.gpus):
@@ -191,6 +195,50 @@ def gpu_assignment(t: Topology) -> Iterator[Problem]:
                     inst.path,
                     f"tp*dp = {inst.tp}*{inst.dp} = {inst.tp * inst.dp} but {len(inst.gpus)} GPUs are listed; they must be equal",
                 )
+
+
+SHARED_GPU_MAX = 0.95  # the shares of one GPU's memory its engines may take together (vLLM needs the rest)
+
+
+def shared_gpus(node: Node) -> dict[int, list[Instance]]:
+    """GPU id → the P/D instances listing it, for GPUs two or more instances list (the shared-GPU layout)."""
+    by_gpu: dict[int, list[Instance]] = {}
+    for inst in node.instances:
+        if inst.role != "router" and node.accelerator == "gpu":
+            for gpu in dict.fromkeys(inst.gpus):
+                by_gpu.setdefault(gpu, []).append(inst)
+    return {gpu: insts for gpu, insts in by_gpu.items() if len(insts) > 1}
+
+
+@rule
+def shared_gpu_memory(t: Topology) -> Iterator[Problem]:
+    """Engines sharing a GPU: their memory shares add up to at most SHARED_GPU_MAX (one line per instance, at its
+    gpu_memory_share); a share set twice (field and --gpu-memory-utilization) is refused; a share on a CPU node too."""
+    for node in t.nodes:
+        for inst in node.instances:
+            if inst.gpu_memory_share is not None and (inst.role == "router" or node.accelerator == "cpu"):
+                what = "a router" if inst.role == "router" else f"an instance of CPU node {node.name}"
+                yield Problem(inst.path + ("gpu_memory_share",), f"gpu_memory_share applies to GPU engines, not {what}; remove it")
+            if inst.kv_cache_memory_gib is not None and (inst.role == "router" or node.accelerator == "cpu"):
+                yield Problem(inst.path + ("kv_cache_memory_gib",), "kv_cache_memory_gib applies to GPU engines; remove it")
+            for field, dest, flag in (
+                ("gpu_memory_share", "gpu_memory_utilization", "--gpu-memory-utilization"),
+                ("kv_cache_memory_gib", "kv_cache_memory_bytes", "--kv-cache-memory-bytes"),
+            ):
+                if getattr(inst, field) is not None and option_value(list(t.vllm.extra_args) + list(inst.extra_args), dest) is not None:
+                    yield Problem(inst.path + (field,), f"{field} and {flag} in extra_args both set it; keep one ({field})")
+        for gpu, insts in sorted(shared_gpus(node).items()):
+            shares = [i.gpu_memory_share for i in insts]
+            if any(share is None for share in shares):
+                continue  # gpu_assignment names the instance without a share
+            total = sum(share for share in shares if share is not None)
+            if total > SHARED_GPU_MAX + 1e-9:
+                parts = " + ".join(f"{i.name} {i.gpu_memory_share:g}" for i in insts)
+                for inst in insts:
+                    yield Problem(
+                        inst.path + ("gpu_memory_share",),
+                        f"GPU {gpu} on node {node.name} is shared: {parts} = {total:g}, more than {SHARED_GPU_MAX}; lower the shares",
+                    )
 
 
 @rule

@@ -145,6 +145,10 @@ class Instance:
     env: tuple[tuple[str, str], ...]
     path: PathKey  # where it is in the document, for messages
     kv_hold_budget: float | None = None  # decode: share of its KV cache finished turns may hold (None: plugin default)
+    # The shared-GPU layout (P and D on one device): the share of each of its GPUs' memory this engine may take
+    # (--gpu-memory-utilization) and, optionally, its KV cache size (--kv-cache-memory-bytes). None: vLLM's defaults.
+    gpu_memory_share: float | None = None
+    kv_cache_memory_gib: float | None = None
 
     @property
     def unit(self) -> str:
@@ -378,6 +382,8 @@ def build_topology(doc: dict[str, Any]) -> Topology:
                     env=_merge_env(vllm.env, node_env, _env(i.get("env"))) if role != "router" else _merge_env(_env(i.get("env"))),
                     path=("nodes", ni, "instances", ii),
                     kv_hold_budget=_hold_budget(i, k if role == "decode" else {}),
+                    gpu_memory_share=float(i["gpu_memory_share"]) if "gpu_memory_share" in i else None,
+                    kv_cache_memory_gib=float(i["kv_cache_memory_gib"]) if "kv_cache_memory_gib" in i else None,
                 )
             )
         nodes.append(
