@@ -386,14 +386,6 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
             super().on_message_begin()
             self._arm()
 
-        def on_url(self, url: bytes) -> None:
-            if not self._refused:
-                super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            if not self._refused:
-                super().on_header(name, value)
-
         def on_headers_complete(self) -> None:
             if self._refused:
                 return
@@ -407,7 +399,7 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
-            if not self._refused:
+            if not self._refused:  # a refused head's body has no request cycle to go to (on_url/on_header are harmless)
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
