@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
+from bpdkv.deploy import efa
 from bpdkv.deploy.facts import BACKUP_DIR, DIRTY_PATH, LOCK_PATH, MANIFEST_PATH
 
 STATE_DIR = "/var/lib/bpdkv"
@@ -25,7 +26,7 @@ class Undo(str, Enum):
     RESTORE_FILE = "restore the previous file from the host's backup (or remove it if it was new)"
     RESTART_PREVIOUS = "restart the unit on its previous files"
     STOP_UNIT = "stop and disable the unit (it is new)"
-    START_UNIT = "start the unit again"
+    NOT_RESTARTED = "not undone: a unit no longer in the topology stays stopped (a rollback restores its files)"
     UNDRAIN = "undrain the instance on the router"
     NONE = "nothing to undo (read-only or idempotent)"
     NOT_UNDONE = "not undone: packages stay installed (idempotent; the next apply reinstalls what the plan wants)"
@@ -92,7 +93,7 @@ class StopUnit:
     instance: str
     reason: str
     op = "stop"
-    undo = Undo.START_UNIT
+    undo = Undo.NOT_RESTARTED
 
     def command(self) -> str:
         return stop_and_disable(self.unit)
@@ -118,10 +119,19 @@ class StartUnit:
         verb = "restart" if self.restart else "start"
         return f"systemctl enable {shlex.quote(self.unit)} >/dev/null && systemctl {verb} {shlex.quote(self.unit)}"
 
+    def undo_command(self) -> str:
+        """STOP_UNIT: stopped and disabled; RESTART_PREVIOUS: restarted on the previous files (restored before)."""
+        return stop_and_disable(self.unit) if self.new else f"systemctl restart {shlex.quote(self.unit)}"
+
+    def log_command(self) -> str:
+        """Read-only, when it failed: the unit's last log lines, said with the failure."""
+        return unit_log_command(self.unit, 15)
+
 
 @dataclass(frozen=True)
 class HealthGate:
-    """/health then /v1/models answer 200 on the node itself within `timeout` seconds."""
+    """`paths` of `base` (/health then /v1/models; HTTPS for a TLS router, /health alone for a keyed one) answer 200 on
+    the node itself within `timeout` seconds."""
 
     unit: str
     instance: str
@@ -129,17 +139,26 @@ class HealthGate:
     port: int
     timeout: float
     efa_check: bool = False
+    base: str = ""
+    paths: tuple[str, ...] = ()
     op = "gate"
     undo = Undo.NONE
+
+    def efa_commands(self) -> tuple[str, str]:
+        """Read-only, when `efa_check`: the unit's log (LIBFABRIC chosen?) and what its processes mapped."""
+        return unit_log_command(self.unit, 3000), efa.process_command(self.unit)
 
 
 @dataclass(frozen=True)
 class Drain:
-    """Ask the router (on `router_host`) to stop sending new requests to `instance` and wait until in-flight ones end."""
+    """Ask the router (on `router_host`) to stop sending new requests to `instance` and wait until in-flight ones end:
+    its admin API at `admin_base` (as seen from the router's node), with the bearer key read there from `key_file`."""
 
     instance: str
     router_host: str
     router_port: int
+    admin_base: str = ""
+    key_file: str | None = None
     op = "drain"
     undo = Undo.UNDRAIN
 
@@ -149,7 +168,26 @@ class Undrain:
     instance: str
     router_host: str
     router_port: int
+    admin_base: str = ""
+    key_file: str | None = None
     op = "undrain"
+    undo = Undo.NONE
+
+
+@dataclass(frozen=True)
+class ProbePull:
+    """EFA fleets, after every gate: one real P→D turn run on P's node (`command`), D's NIXL counters read around it and
+    D's unit processes (`processes`, run on D's node) judged with it. Placed on the host it blames: D's when D restarted,
+    else P's; a failure rolls that host (its P/D generation) back."""
+
+    prefill: str
+    decode: str
+    p_host: str
+    d_host: str
+    command: str
+    processes: str
+    timeout: float
+    op = "probe pull"
     undo = Undo.NONE
 
 
@@ -303,6 +341,7 @@ Operation = (
     | Undrain
     | RunCommand
     | WriteManifest
+    | ProbePull
 )
 _BY_NAME: dict[str, type[Any]] = {
     cls.op: cls
@@ -323,10 +362,41 @@ _BY_NAME: dict[str, type[Any]] = {
         Commit,
         MarkDirty,
         RemoveStaged,
+        ProbePull,
     )
 }
 _BY_NAME[WriteManifest.op] = WriteManifest
 _BY_NAME[RunCommand.op] = RunCommand
+
+
+def unit_log_command(unit: str, n: int) -> str:
+    u = shlex.quote(unit)
+    return f"journalctl -u {u} -n {n} --no-pager 2>/dev/null | tail -n {n}; systemctl status {u} 2>&1 | tail -n 5"
+
+
+def shell_commands(op: Operation, owner: str) -> list[str]:
+    """Every shell command `op` may send to its host: its action, its undo, and what is read when it fails. The runner
+    sends nothing else (tests/unit/test_deploy_runner.py records and compares); `owner` is the applying process. HTTP
+    from the node (gates, the router's admin API) goes through connectors.probe with the URLs the operation holds."""
+    if isinstance(op, Lock | Unlock):
+        return [op.command(owner)]
+    if isinstance(op, Stage):
+        return op.commands()
+    if isinstance(op, Commit):
+        return [op.script, op.restore, DaemonReload().command()]
+    if isinstance(op, StartUnit):
+        return [op.command(), op.undo_command(), op.log_command()]
+    if isinstance(op, HealthGate):
+        return list(op.efa_commands()) if op.efa_check else []
+    if isinstance(op, ProbePull):
+        return [op.command, op.processes]
+    if isinstance(op, WriteManifest):
+        return [op.mkdir_command(), op.command()]
+    if isinstance(op, RunCommand):
+        return [op.command]
+    if isinstance(op, InstallSystemPackages | DaemonReload | StopUnit | MarkDirty | RemoveStaged):
+        return [op.command()]
+    return []  # uploads (files put, no shell), drains (HTTP), the package bootstrap (see the runner's install_packages)
 
 
 def stop_and_disable(unit: str) -> str:
@@ -374,15 +444,17 @@ def describe(op: Operation) -> str:
     if isinstance(op, StartUnit):
         return f"{'restart' if op.restart else 'start'} {op.unit} ({op.reason})"
     if isinstance(op, HealthGate):
-        return f"gate {op.unit}: {op.address}:{op.port} /health, /v1/models within {op.timeout:g}s" + (
+        return f"gate {op.unit}: {op.base or f'{op.address}:{op.port}'} {', '.join(op.paths)} within {op.timeout:g}s" + (
             " + EFA log check" if op.efa_check else ""
         )
     if isinstance(op, Drain):
-        return f"drain {op.instance} on the router ({op.router_host}:{op.router_port})"
+        return f"drain {op.instance} on the router ({op.router_host}:{op.router_port}, admin API {op.admin_base or '?'})"
     if isinstance(op, Undrain):
-        return f"undrain {op.instance} on the router ({op.router_host}:{op.router_port})"
+        return f"undrain {op.instance} on the router ({op.router_host}:{op.router_port}, admin API {op.admin_base or '?'})"
     if isinstance(op, RunCommand):
         return op.description
+    if isinstance(op, ProbePull):
+        return f"EFA probe pull {op.prefill}→{op.decode}: one turn on {op.p_host}, KV must move over LIBFABRIC"
     if isinstance(op, Lock):
         return f"lock {op.path} (refused if another apply holds it)"
     if isinstance(op, Unlock):

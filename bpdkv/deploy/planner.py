@@ -11,15 +11,17 @@ from enum import StrEnum
 from typing import Any
 
 from bpdkv import __version__
+from bpdkv.deploy import efa as efa_probe
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import PackageChange, package_changes, source_digest
 from bpdkv.deploy.facts import BACKUP_DIR, MANIFEST_PATH, NODE_WHEELHOUSE, DiskSpace, HostFacts, PreflightProblem
 from bpdkv.render import Artifact
-from bpdkv.secret_refs import secret_diff
+from bpdkv.secret_refs import health_probe, router_base, secret_diff
 from bpdkv.topology.model import Node, Topology
 
 SECRET_KEY = re.compile(r"(?i)(key|token|secret|passw|credential|auth)")
 ROLE_ORDER = ("prefill", "decode", "router")
+PROBE_TIMEOUT = 120.0  # seconds for each request of the EFA probe turn (P, D, /metrics)
 DISK_MARGIN = 16 * 1024 * 1024  # bytes free beyond the files themselves (backups, temp copies, the manifest)
 
 
@@ -489,6 +491,7 @@ def make_plan(
         host_plans.append(replace(host_plan, operations=operations if host_plan.changed else [], problems=problems))
 
     host_plans.sort(key=lambda h: [n.name for n in topology.nodes].index(h.host))
+    host_plans = with_probe_pulls(topology, artifacts, host_plans)
     waves: list[Wave] = []
     stops = [f"{h.host}:{u.unit}" for h in host_plans for u in h.units if u.action == "stop"]
     if stops:
@@ -578,21 +581,65 @@ def host_operations(
                 continue
             # Drain only what serves traffic through a router that runs already (a new router has nothing to drain).
             drain = router is not None and role in ("prefill", "decode") and u.action == "restart"
+            admin = (router_base(topology.router, "127.0.0.1", router[1]), _admin_key_file(topology)) if router else ("", None)
             if drain:
                 assert router is not None
-                out.append(ops.Drain(u.instance, router[0], router[1]))
+                out.append(ops.Drain(u.instance, router[0], router[1], *admin))
             out.append(ops.StartUnit(u.unit, u.instance, u.role, u.action == "restart", u.new, u.reason))
             if u.port is not None:
                 listen = topology.router.listen if role == "router" else ""
                 address = listen if listen not in ("", "0.0.0.0", "::", "localhost") else "127.0.0.1"
-                out.append(ops.HealthGate(u.unit, u.instance, address, u.port, timeout, efa and role in ("prefill", "decode")))
+                base, paths = health_probe(role, topology.router, address, u.port)  # HTTPS / keyed routers
+                efa_check = efa and role in ("prefill", "decode")
+                out.append(ops.HealthGate(u.unit, u.instance, address, u.port, timeout, efa_check, base, tuple(paths)))
             if drain:
                 assert router is not None
-                out.append(ops.Undrain(u.instance, router[0], router[1]))
+                out.append(ops.Undrain(u.instance, router[0], router[1], *admin))
     manifest = manifest_for(topology, node.name, artifacts, generation)
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
     out.append(ops.WriteManifest(generation, digest, json.dumps(manifest, indent=2, sort_keys=True) + "\n"))
     return ops.stage_operations(generation, topology.name, out)
+
+
+def _admin_key_file(topology: Topology) -> str | None:
+    value = getattr(topology.router, "admin_key_file", None)
+    return value if isinstance(value, str) else None
+
+
+def with_probe_pulls(topology: Topology, artifacts: list[Artifact], hosts: list[HostPlan]) -> list[HostPlan]:
+    """EFA fleets: one probe pull per decode instance whose gate checks EFA (with the first prefill), or, when only P
+    instances do, per such P (with the first decode), each placed before the manifest of the host it blames."""
+    placed = {i.name: (n, i) for n, i in topology.instances()}
+    gated = {op.instance for hp in hosts for op in hp.operations if isinstance(op, ops.HealthGate) and op.efa_check}
+    prefills = [i.name for _, i in topology.instances("prefill")]
+    decodes = [i.name for _, i in topology.instances("decode")]
+    pairs: set[tuple[str, str]] = set()
+    for name in gated:
+        if name in decodes and prefills:
+            pairs.add((prefills[0], name))
+        elif name in prefills and decodes and not any(d in gated for d in decodes):
+            pairs.add((name, decodes[0]))
+    length = efa_probe.probe_length(topology.kv_transfer.kv_recompute_threshold, topology.model.max_model_len or 0)
+    python = f"{topology.vllm.venv}/bin/python"
+    by_host: dict[str, list[ops.ProbePull]] = {}
+    for p_name, d_name in sorted(pairs):
+        (p_node, p_inst), (d_node, d_inst) = placed[p_name], placed[d_name]
+        d_unit = next(a.unit for a in artifacts if a.instance == d_name and a.unit)  # also when D did not restart
+        command = efa_probe.probe_command(
+            python, f"http://127.0.0.1:{p_inst.port}", f"http://{d_node.data_plane_address}:{d_inst.port}", length, PROBE_TIMEOUT
+        )
+        blamed = d_node.name if d_name in gated else p_node.name
+        op = ops.ProbePull(p_name, d_name, p_node.name, d_node.name, command, efa_probe.process_command(d_unit), PROBE_TIMEOUT)
+        by_host.setdefault(blamed, []).append(op)
+    out: list[HostPlan] = []
+    for hp in hosts:
+        kept: list[ops.Operation] = [op for op in hp.operations if not isinstance(op, ops.ProbePull)]
+        probes = by_host.get(hp.host, [])
+        if probes:
+            at = next(i for i, op in enumerate(kept) if isinstance(op, ops.WriteManifest))
+            kept[at:at] = probes
+        out.append(replace(hp, operations=kept))
+    return out
 
 
 def _wrong_group(facts: HostFacts, art: Artifact, info: dict[str, Any]) -> bool:

@@ -29,14 +29,12 @@ from bpdkv.deploy.operations import TMP_SUFFIX
 from bpdkv.deploy.planner import HostPlan, Plan, manifest_for
 from bpdkv.errors import BpdkvError
 from bpdkv.render import Artifact
-from bpdkv.secret_refs import health_probe, router_base
 from bpdkv.topology.model import Topology
 
 log = logging.getLogger("bpdkv.deploy")
 
 INSTALL_TIMEOUT = 3600.0  # seconds for one node's pip install: vLLM + torch from a wheelhouse take minutes
 DRAIN_TIMEOUT = 120.0
-PROBE_TIMEOUT = 120.0  # seconds for each request of the EFA probe turn (P, D, /metrics)
 T = TypeVar("T")
 
 
@@ -404,55 +402,43 @@ class Runner:
                     return f"{op.unit}: systemctl {'restart' if op.restart else 'start'} exited {result.exited}: {(result.stderr or result.stdout).strip()[-300:]}"
                 self.progress(hp.host, f"{'restarted' if op.restart else 'started'} {op.unit}; waiting for health")
             elif isinstance(op, ops.HealthGate):
-                role = next(i.role for _, i in self.topology.instances() if i.name == op.instance)
-                base, paths = health_probe(role, self.topology.router, op.address, op.port)  # HTTPS / keyed routers
-                answer = probe(self.conns[hp.host], base, paths, op.timeout)
+                answer = probe(self.conns[hp.host], op.base, list(op.paths), op.timeout)
                 if answer.failure:
                     return f"{op.unit}: health gate failed after {op.timeout:g}s ({answer.failure})"
                 if op.efa_check:
-                    problem = efa.check_log(self.last_log_lines(hp, op.unit, n=3000))
+                    log_command, processes_command = op.efa_commands()
+                    problem = efa.check_log(self.last_log_lines(hp, log_command))
                     # Beyond the log: what the unit's processes really mapped (plugin, libfabric) and their memlock.
-                    problem = problem or efa.check_processes(self.conns[hp.host].run(efa.process_command(op.unit)).stdout)
+                    problem = problem or efa.check_processes(self.conns[hp.host].run(processes_command).stdout)
                     if problem:
                         return f"{op.unit}: EFA check failed: {problem}"
                 self.outcome(hp.host).units_restarted.append(op.unit)
             elif isinstance(op, ops.Undrain):
-                self.admin(op.router_host, op.router_port, op.instance, "undrain")
+                self.admin(op, "undrain")
                 self.progress(hp.host, f"undrained {op.instance}")
         return None
 
-    def admin(self, router_host: str, port: int, instance: str, action: str) -> dict[str, Any]:
-        """One call to the router's admin API, made on the router node (jump hosts and private subnets work)."""
-        conn = self.conns.get(router_host)
+    def admin(self, op: ops.Drain | ops.Undrain, action: str) -> dict[str, Any]:
+        """One call to the router's admin API as the operation names it, made on the router node (jump hosts and private
+        subnets work)."""
+        conn = self.conns.get(op.router_host)
         if conn is None:
-            raise ConnectorError(router_host, f"router admin API: no connection to the router node to {action} {instance}")
-        path = f"/admin/upstreams/{instance}/{action}" if action else "/admin/upstreams"
-        answer = probe(
-            conn,
-            router_base(self.topology.router, "127.0.0.1", port),
-            [path],
-            10.0,
-            method="POST" if action else "GET",
-            once=True,
-            bearer_file=self.topology_admin_key_file(),
-        )
+            raise ConnectorError(op.router_host, f"router admin API: no connection to the router node to {action} {op.instance}")
+        path = f"/admin/upstreams/{op.instance}/{action}" if action else "/admin/upstreams"
+        answer = probe(conn, op.admin_base, [path], 10.0, method="POST" if action else "GET", once=True, bearer_file=op.key_file)
         if answer.failure:
-            raise ConnectorError(router_host, f"router admin API {action or 'list'} of {instance} failed: {answer.failure}")
+            raise ConnectorError(op.router_host, f"router admin API {action or 'list'} of {op.instance} failed: {answer.failure}")
         try:
             data: dict[str, Any] = json.loads(answer.body)
         except ValueError:
-            raise ConnectorError(router_host, f"router admin API {action or 'list'} answered no JSON: {answer.body[:120]!r}") from None
+            raise ConnectorError(op.router_host, f"router admin API {action or 'list'} answered no JSON: {answer.body[:120]!r}") from None
         return data
 
-    def topology_admin_key_file(self) -> str | None:
-        value = getattr(self.topology.router, "admin_key_file", None)
-        return value if isinstance(value, str) else None
-
     def drain(self, op: ops.Drain) -> None:
-        self.admin(op.router_host, op.router_port, op.instance, "drain")
+        self.admin(op, "drain")
         deadline = time.monotonic() + self.options.drain_timeout
         while True:
-            listing = self.admin(op.router_host, op.router_port, op.instance, "")
+            listing = self.admin(op, "")
             state = next((u.get("state") for u in listing.get("upstreams", []) if u.get("name") == op.instance), None)
             if state in ("drained", "unhealthy"):
                 return
@@ -462,43 +448,27 @@ class Runner:
                 raise ConnectorError(op.router_host, f"{op.instance} still {state} after {self.options.drain_timeout:g}s of draining")
             time.sleep(0.2)
 
-    def last_log_lines(self, hp: HostPlan, unit: str, n: int = 15) -> str:
-        cmd = (
-            f"journalctl -u {shlex.quote(unit)} -n {n} --no-pager 2>/dev/null | tail -n {n}; "
-            f"systemctl status {shlex.quote(unit)} 2>&1 | tail -n 5"
-        )
+    def last_log_lines(self, hp: HostPlan, command: str) -> str:
+        """A unit's log lines (its operation's read-only `log_command`), or nothing when the host cannot say."""
         try:
-            return self.conns[hp.host].run(cmd).stdout.strip()
+            return self.conns[hp.host].run(command).stdout.strip()
         except ConnectorError:
             return ""
 
     # ---- rollback --------------------------------------------------------------------------------------------------
     def rollback(self, hosts: list[HostPlan], why: str) -> None:
-        """Previous files back, daemon-reload, the units this run started restarted on them (new ones stopped)."""
+        """Each operation this run did on the host undone as its `undo` says, in this order: the commit (restore script,
+        daemon-reload), the units it (re)started (new ones stopped, others restarted on the restored files), the drains
+        (undrained; one never reached answers an error, ignored). A failure of any of them: the host is dirty."""
         for hp in hosts:
             out = self.outcome(hp.host)
+            commit = _first(hp, ops.Commit)
+            done: list[ops.Operation] = [commit] if commit is not None and hp.host in self.committed else []
+            done += self.started.pop(hp.host, [])
+            done += [op for op in hp.operations if isinstance(op, ops.Drain)]
             try:
-                conn = self.conns[hp.host]
-                commit = _first(hp, ops.Commit)
-                if hp.host in self.committed and commit is not None:
-                    result = conn.run(commit.restore)
-                    if result.exited != 0:
-                        raise ConnectorError(hp.host, f"restore failed: {(result.stderr or result.stdout).strip()[-200:]}")
-                    self.committed.discard(hp.host)
-                    run_step(conn, ops.DaemonReload().command(), "systemctl daemon-reload")
-                for started in self.started.pop(hp.host, []):
-                    if started.new:
-                        run_step(conn, ops.stop_and_disable(started.unit), f"systemctl stop {started.unit}")
-                    else:
-                        run_step(
-                            conn, f"systemctl restart {shlex.quote(started.unit)}", f"systemctl restart {started.unit} (previous files)"
-                        )
-                for undrain in hp.operations:
-                    if isinstance(undrain, ops.Undrain):
-                        try:
-                            self.admin(undrain.router_host, undrain.router_port, undrain.instance, "undrain")
-                        except ConnectorError:
-                            pass  # the instance may never have been drained; the failure itself is already reported
+                for op in done:
+                    self.undo(hp, op)
             except Exception as exc:  # noqa: BLE001 - whatever stopped the restore, the host must be recorded dirty
                 out.status = HostStatus.DIRTY
                 said = exc.reason if isinstance(exc, ConnectorError) else f"{type(exc).__name__}: {exc}"
@@ -510,6 +480,26 @@ class Runner:
                 out.status = HostStatus.ROLLED_BACK
                 out.message = f"{out.message or why}; rolled back to the previous files and units"
             self.progress(hp.host, "rolled back to the previous files and units")
+
+    def undo(self, hp: HostPlan, op: ops.Operation) -> None:
+        """One operation's undo (ops.Undo). ConnectorErrors propagate, except an undrain's."""
+        conn = self.conns[hp.host]
+        if isinstance(op, ops.Commit) and op.undo is ops.Undo.RESTORE_BACKUP:
+            result = conn.run(op.restore)
+            if result.exited != 0:
+                raise ConnectorError(hp.host, f"restore failed: {(result.stderr or result.stdout).strip()[-200:]}")
+            self.committed.discard(hp.host)
+            run_step(conn, ops.DaemonReload().command(), "systemctl daemon-reload")
+        elif isinstance(op, ops.StartUnit) and op.undo in (ops.Undo.STOP_UNIT, ops.Undo.RESTART_PREVIOUS):
+            what = f"systemctl stop {op.unit}" if op.undo is ops.Undo.STOP_UNIT else f"systemctl restart {op.unit} (previous files)"
+            run_step(conn, op.undo_command(), what)
+        elif isinstance(op, ops.Drain) and op.undo is ops.Undo.UNDRAIN:
+            try:
+                self.admin(op, "undrain")
+            except ConnectorError:
+                pass  # the instance may never have been drained; the failure itself is already reported
+        else:
+            raise PlanMismatch(f"{hp.host}: no undo for {ops.describe(op)} ({op.undo.value})")
 
     def mark_dirty(self, hp: HostPlan) -> None:
         marker = _first(hp, ops.MarkDirty)
@@ -565,7 +555,7 @@ class Runner:
                     if hp.host in group:
                         self.fail_generation([h for h in live if h.host in group], hp, failure)
                     else:
-                        logs = self.last_log_lines(hp, _unit(_))
+                        logs = self.last_log_lines(hp, _start(_).log_command())
                         tail = " | ".join(line for line in logs.splitlines()[-5:] if line.strip())
                         self.fail(hp, failure + (f"; last log lines: {tail}" if tail else ""))
         self.probe_pulls(live)
@@ -595,50 +585,33 @@ class Runner:
         self.rollback(members, message)
 
     def probe_pulls(self, live: list[HostPlan]) -> None:
-        """EFA fleets: after every gate, one real P→D turn per decode instance restarted on an EFA node (or, if only P
-        restarted, per such P), run on P's node; NIXL's transfer counters on D must move, over LIBFABRIC
-        (bpdkv/deploy/efa.py). A failure rolls back that host (its P/D generation) with the reason."""
-        gated = {op.instance for hp in live for op in hp.operations if isinstance(op, ops.HealthGate) and op.efa_check}
-        alive = {hp.host: hp for hp in live if self.alive(hp.host)}
-        placed = {i.name: (n, i) for n, i in self.topology.instances()}
-        pairs: list[tuple[str, str]] = []  # (P, D) instance names
-        prefills = [i.name for _, i in self.topology.instances("prefill")]
-        decodes = [i.name for _, i in self.topology.instances("decode")]
-        for name in gated:
-            if placed[name][0].name not in alive:
-                continue
-            if name in decodes and prefills:
-                pairs.append((prefills[0], name))
-            elif name in prefills and decodes and not any(d in gated for d in decodes):
-                pairs.append((name, decodes[0]))
-        threshold = self.topology.kv_transfer.kv_recompute_threshold
-        for p_name, d_name in sorted(set(pairs)):
-            (p_node, p_inst), (d_node, d_inst) = placed[p_name], placed[d_name]
-            blamed = alive.get(d_node.name) if d_name in gated else alive.get(p_node.name)
-            if blamed is None or p_node.name not in self.conns or d_node.name not in self.conns:
-                continue
-            failure = self.probe_pull(p_node.name, f"http://127.0.0.1:{p_inst.port}", d_node.name, d_name, d_inst.port, threshold)
-            if failure is None:
-                self.progress(blamed.host, f"EFA probe pull {p_name}→{d_name}: KV moved over LIBFABRIC")
-                continue
-            why = f"EFA probe pull {p_name}→{d_name} failed: {failure}"
-            if blamed.host in set(self.plan.group):
-                self.fail_generation([h for h in live if h.host in set(self.plan.group)], blamed, why)
-            else:
-                self.fail(blamed, why)
+        """EFA fleets: after every gate, the plan's probe pulls (planner.with_probe_pulls), each on a host still alive; NIXL's
+        transfer counters on D must move, over LIBFABRIC (bpdkv/deploy/efa.py). A failure rolls back the host the
+        operation sits on (its P/D generation) with the reason."""
+        group = set(self.plan.group)
+        for hp in live:
+            for op in hp.operations:
+                if not isinstance(op, ops.ProbePull) or not self.alive(hp.host):
+                    continue
+                if op.p_host not in self.conns or op.d_host not in self.conns:
+                    continue
+                failure = self.probe_pull(op)
+                if failure is None:
+                    self.progress(hp.host, f"EFA probe pull {op.prefill}→{op.decode}: KV moved over LIBFABRIC")
+                    continue
+                why = f"EFA probe pull {op.prefill}→{op.decode} failed: {failure}"
+                if hp.host in group:
+                    self.fail_generation([h for h in live if h.host in group], hp, why)
+                else:
+                    self.fail(hp, why)
 
-    def probe_pull(self, p_host: str, p_url: str, d_host: str, d_name: str, d_port: int, threshold: int) -> str | None:
+    def probe_pull(self, op: ops.ProbePull) -> str | None:
         """One probe turn on P's node; D's counters and D's unit processes judged together. Why it failed, or None."""
-        d_node = next(n for n, i in self.topology.instances() if i.name == d_name)
-        d_unit = next(a.unit for a in self.artifacts if a.instance == d_name and a.unit)  # also when D did not restart
-        python = f"{self.topology.vllm.venv}/bin/python"
-        length = efa.probe_length(threshold, self.topology.model.max_model_len or 0)
-        command = efa.probe_command(python, p_url, f"http://{d_node.data_plane_address}:{d_port}", length, PROBE_TIMEOUT)
         try:
-            before, after, error = efa.parse_probe_output(self.conns[p_host].run(command, PROBE_TIMEOUT * 3 + 30).stdout)
+            before, after, error = efa.parse_probe_output(self.conns[op.p_host].run(op.command, op.timeout * 3 + 30).stdout)
             if error:
                 return f"the probe turn failed: {error}"
-            processes = self.conns[d_host].run(efa.process_command(d_unit)).stdout
+            processes = self.conns[op.d_host].run(op.processes).stdout
         except ConnectorError as exc:
             return exc.reason
         result = efa.judge_probe(before, after, processes)
@@ -653,5 +626,5 @@ def _first(hp: HostPlan, kind: type[OpT]) -> OpT | None:
     return next((op for op in hp.operations if isinstance(op, kind)), None)
 
 
-def _unit(step: list[ops.Operation]) -> str:
-    return next(op.unit for op in step if isinstance(op, ops.StartUnit))
+def _start(step: list[ops.Operation]) -> ops.StartUnit:
+    return next(op for op in step if isinstance(op, ops.StartUnit))

@@ -4,6 +4,7 @@ refused when the CLI build or the facts differ, and a bug (not a transport error
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from bpdkv.deploy import operations as ops
 from bpdkv.deploy.connectors import CommandResult, ConnectorError
 from bpdkv.deploy.facts import MARKER
 from bpdkv.deploy.fleet import StalePlan, apply_plan, check_saved_plan, load_fleet, load_saved_plan, plan_fleet, save_plan
+from bpdkv.deploy.planner import Plan
 from bpdkv.deploy.runner import ApplyOptions, HostStatus
 from bpdkv.topology.model import Node
 
@@ -86,6 +88,43 @@ def _topology(tmp_path: Path) -> Path:
     return path
 
 
+def _probe_request(command: str) -> dict[str, Any] | None:
+    """The request of connectors.probe's command (python3 on the node), or None for any other command."""
+    words = shlex.split(command)
+    if len(words) == 4 and words[:2] == ["python3", "-c"] and "urllib.request" in words[2]:
+        request: dict[str, Any] = json.loads(words[3])
+        return request
+    return None
+
+
+def assert_only_planned(plan: Plan, conns: dict[str, RecordingConnector], owner: str) -> int:
+    """Every shell command the runner sent to a host is one its plan holds (ops.shell_commands), and every HTTP request
+    from a node asks a URL an operation of the plan names (gates; the router's admin API for drains). Returns how many
+    commands were checked."""
+    hosts = {hp.host: hp for hp in plan.hosts}
+    checked = 0
+    for host, conn in conns.items():
+        hp = hosts[host]
+        planned = {c for op in hp.operations for c in ops.shell_commands(op, owner)}
+        urls = {(op.base, tuple(op.paths)) for op in hp.operations if isinstance(op, ops.HealthGate)}
+        for drain in (op for h in plan.hosts for op in h.operations if isinstance(op, ops.Drain | ops.Undrain)):
+            if drain.router_host == host:
+                for path in (f"/admin/upstreams/{drain.instance}/drain", f"/admin/upstreams/{drain.instance}/undrain", "/admin/upstreams"):
+                    urls.add((drain.admin_base, (path,)))
+        probes = {c for h in plan.hosts for op in h.operations if isinstance(op, ops.ProbePull) and op.p_host == host for c in [op.command]}
+        probes |= {op.processes for h in plan.hosts for op in h.operations if isinstance(op, ops.ProbePull) and op.d_host == host}
+        for kind, command in conn.calls:
+            if kind != "run":
+                continue
+            checked += 1
+            request = _probe_request(command)
+            if request is not None:
+                assert (request["base"], tuple(request["paths"])) in urls, f"{host}: HTTP not in the plan: {request}"
+            else:
+                assert command in planned | probes, f"{host}: the runner sent a command that is not in the plan:\n{command}"
+    return checked
+
+
 class Lab:
     def __init__(self) -> None:
         self.conns: dict[str, RecordingConnector] = {}
@@ -129,6 +168,7 @@ def test_saved_plan_runs_exactly_its_operations(tmp_path: Path) -> None:
         probes = [c for kind, c in calls if kind == "run" and "urllib.request" in c]
         assert len(probes) == sum(isinstance(op, ops.HealthGate) for op in hp.operations)
     assert dropped["path"] + ".bpdkv-new" not in [p for k, p in lab.conns["host1"].calls if k == "put"]
+    assert assert_only_planned(saved.plan, lab.conns, "unit pid 1") > 20
 
 
 def test_saved_plan_refused_for_another_build_and_changed_facts(tmp_path: Path) -> None:
@@ -189,6 +229,8 @@ def test_fault_on_one_host_is_reported_never_applied(tmp_path: Path, stage: str,
         assert any(c.startswith("set -u\nB=") and c.rstrip().endswith("restore") for c in ran) or outcome.status is HostStatus.DIRTY
     # the lock is always released and temp files removed
     assert any("apply.lock" in c and "rm -f" in c for c in ran)
+    # whatever failed, every command sent (rollback, restore, log reads included) is one the plan holds
+    assert_only_planned(plan, lab.conns, "unit pid 1")
 
 
 def test_commit_script_restores_every_file_when_a_rename_fails(tmp_path: Path) -> None:
@@ -300,3 +342,71 @@ def test_a_refused_saved_plan_names_each_difference() -> None:
         "host1: package vllm: 0.1 → 0.2",
         "host1: Debian package redis-server: installed → missing",
     ]
+
+
+class RouterNode(RecordingConnector):
+    """The router's node: its admin API lists every instance as drained (a drain finishes at once)."""
+
+    def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        request = _probe_request(command)
+        if request is not None and "/admin/upstreams" in request["paths"][0]:
+            self.calls.append(("run", command))
+            listing = {"upstreams": [{"name": n, "state": "drained"} for n in ("prefill-0", "decode-0")]}
+            return CommandResult(0, json.dumps({"failure": None, "body": json.dumps(listing)}) + "\n", "")
+        return super().run(command, timeout)
+
+
+def test_a_rolling_restart_sends_only_planned_commands_and_urls(tmp_path: Path) -> None:
+    """A running fleet whose P and D env files changed: drains through the router's admin API (its URLs in the plan),
+    restarts, gates; then the same with D's gate failing, so the rollback's restore, unit restarts and undrains run.
+    Every command and URL is the plan's."""
+    topo = _topology(tmp_path)
+    lab = Lab()
+    for host, inst in (("host1", "prefill-0"), ("host2", "decode-0"), ("host3", "router-0")):
+        files = {a.path: {"sha256": "f" * 64, "mode": a.mode} for a in load_fleet(str(topo)).artifacts if a.host == host}
+        lab.state[host] = dict(EMPTY_STATE, units={f"bpdkv-{inst}.service": "active"}, files=files)
+
+    def connect(node: Node) -> RecordingConnector:
+        cls = RouterNode if node.name == "host3" else RecordingConnector
+        conn = cls(node.name, lab.state.get(node.name, EMPTY_STATE))
+        lab.conns[node.name] = conn
+        return conn
+
+    for failing in (None, "decode"):
+        fleet = load_fleet(str(topo))
+        plan = plan_fleet(fleet, False, 2, connect)
+        drains = [op for hp in plan.hosts for op in hp.operations if isinstance(op, ops.Drain)]
+        assert [d.instance for d in drains] == ["prefill-0", "decode-0"] and all(d.admin_base == "http://127.0.0.1:8000" for d in drains)
+        if failing:
+            lab.conns["host2"].fail_on, lab.conns["host2"].error = "systemctl restart", ConnectorError("host2", "injected")
+        report = apply_plan(fleet, plan, ApplyOptions(parallel=2, owner="unit pid 1"))
+        admin = [c for _, c in lab.conns["host3"].calls if "/admin/upstreams/" in c]
+        assert any("/admin/upstreams/prefill-0/drain" in c for c in admin)
+        if failing:
+            assert report.outcomes["host2"].status is HostStatus.ROLLED_BACK, report.failed_lines()
+            ran = [c for k, c in lab.conns["host2"].calls if k == "run"]
+            assert any(c.rstrip().endswith("restore") for c in ran)
+            assert any("/admin/upstreams/decode-0/undrain" in c for c in admin)
+        else:
+            assert report.exit_code == 0, report.failed_lines()
+        assert assert_only_planned(plan, lab.conns, "unit pid 1") > 10
+
+
+def test_the_plan_check_catches_a_command_the_plan_does_not_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above is not vacuous: a runner that composes one command of its own is caught."""
+    from bpdkv.deploy.runner import Runner
+
+    topo = _topology(tmp_path)
+    lab = Lab()
+    fleet = load_fleet(str(topo))
+    plan = plan_fleet(fleet, False, 2, lab.connect)
+    original = Runner.remove_temps
+
+    def own_shell(self: Runner, hp: Any) -> None:
+        self.conns[hp.host].run("rm -rf /var/lib/bpdkv/backup")
+        original(self, hp)
+
+    monkeypatch.setattr(Runner, "remove_temps", own_shell)
+    assert apply_plan(fleet, plan, ApplyOptions(parallel=2, owner="unit pid 1")).exit_code == 0
+    with pytest.raises(AssertionError, match="not in the plan"):
+        assert_only_planned(plan, lab.conns, "unit pid 1")

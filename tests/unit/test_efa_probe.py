@@ -19,6 +19,7 @@ from bpdkv.deploy import efa
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.connectors import CommandResult
 from bpdkv.deploy.fleet import apply_plan, load_fleet, plan_fleet
+from bpdkv.deploy.planner import with_probe_pulls
 from bpdkv.deploy.runner import ApplyOptions, HostStatus
 from tests.unit.test_deploy_runner import EMPTY_STATE, Lab, RecordingConnector, _topology
 
@@ -134,6 +135,7 @@ def _apply(tmp_path: Path, processes: str, probe: str, efa_instances: tuple[str,
             dataclasses.replace(op, efa_check=True) if isinstance(op, ops.HealthGate) and op.instance in efa_instances else op
             for op in hp.operations
         ]
+    plan.hosts[:] = with_probe_pulls(fleet.topology, fleet.artifacts, plan.hosts)  # the pairs those gates ask for
     report = apply_plan(fleet, plan, ApplyOptions(parallel=2, owner="unit pid 1"))
     return report, lab
 
