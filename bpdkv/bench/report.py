@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bpdkv.bench.runner import RunResult
+from bpdkv.bench.runner import DECISION_KEY, RunResult
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -78,6 +78,25 @@ def waits(timeline: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
+def decisions(servers: dict[str, dict[str, float]], later_turns: int) -> dict[str, Any]:
+    """P's pull decisions over the run (every server's "decision:outcome/reason" deltas): counts, per turn >= 2, and the
+    share of offers recomputed because of the link."""
+    counts: dict[str, float] = {}
+    for counters in servers.values():
+        for key, value in counters.items():
+            if key.startswith(DECISION_KEY) and value:
+                name = key[len(DECISION_KEY) :]
+                counts[name] = counts.get(name, 0.0) + value
+    offers = sum(counts.values())
+    slower = sum(v for k, v in counts.items() if k == "recomputed/link_slower")
+    return {
+        "counts": dict(sorted(counts.items())),
+        "offers": offers,
+        "per_turn": {k: v / later_turns for k, v in sorted(counts.items())} if later_turns else {},
+        "recomputed_link_slower_share": slower / offers if offers else None,
+    }
+
+
 def summarize(result: RunResult) -> dict[str, Any]:
     ok = [s for s in result.samples if not s.error and s.ttft is not None]
     by_turn: dict[int, list[float]] = {}
@@ -105,6 +124,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "ttft_by_turn": {str(t): _stats(v) for t, v in sorted(by_turn.items())},
         "ttft_by_history": {k: _stats(v) for k, v in sorted(by_hist.items(), key=lambda kv: int(kv[0].split("-")[0]))},
         "servers": result.servers,
+        "decisions": decisions(result.servers, sum(1 for s in ok if s.turn >= 1)),
         "fresh_start": asdict(result.fresh) if result.fresh else None,
         "ttft_over_time": over_time(ok, max(result.wall_s / 20, 10.0)) if result.timeline else [],
         "d_timeline": result.timeline,
@@ -133,6 +153,11 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(f"short turns (tool results) n {short['n']}: TTFT mean {ms(short['mean'])} ms, p99 {ms(short['p99'])} ms")
     if itl.get("n"):
         lines.append(f"inter-token gaps n {itl['n']}: p50 {ms(itl['median'])} ms, p99 {ms(itl['p99'])} ms")
+    dec = summary.get("decisions") or {}
+    if dec.get("offers"):
+        shown = ", ".join(f"{k} {v:g}" for k, v in dec["counts"].items())
+        share = dec.get("recomputed_link_slower_share")
+        lines.append(f"P decisions ({dec['offers']:g} offers): {shown}; recomputed for the link {share:.0%}")
     fresh = summary.get("fresh_start")
     if fresh:
         verdict = "fresh" if fresh["fresh"] else "NOT FRESH: P already held this mode's prompts"

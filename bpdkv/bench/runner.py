@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,8 +104,30 @@ class Servers:
         return list(dict.fromkeys(self.prefill + self.decode + self.other))
 
 
+DECISIONS = "vllm:bpdkv_pull_decisions_total"  # P's cost model, by outcome and reason (keys "decision:outcome/reason")
+DECISION_KEY = "decision:"
+
+
+def decision_counts(text: str) -> dict[str, float]:
+    """P's pull decisions by "decision:outcome/reason", summed over engines."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(DECISIONS + "{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("{", 1)[1].rsplit("}", 1)[0]))
+        outcome, reason = labels.get("outcome", ""), labels.get("reason", "")
+        try:
+            value = float(line.rpartition(" ")[2])
+        except ValueError:
+            continue
+        key = f"{DECISION_KEY}{outcome}/{reason}"
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     out = {key: metric_value(text, name, labels) for key, (name, labels) in SERVER_COUNTERS.items()}
+    out.update(decision_counts(text))
     out.update({key: metric_value(text, name, labels) for key, (name, labels) in SERVER_GAUGES.items()})
     if any(line.startswith(WAITING_BY_REASON + "{") for line in text.splitlines()):
         out.update({key: metric_value(text, WAITING_BY_REASON, {"reason": r}) for key, r in WAITING_REASONS.items()})
@@ -134,7 +157,11 @@ def fresh_state(
 
 
 def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], urls: list[str]) -> dict[str, dict[str, float]]:
-    return {u: {k: after.get(u, {}).get(k, 0.0) - before.get(u, {}).get(k, 0.0) for k in SERVER_COUNTERS} for u in urls}
+    def keys(u: str) -> list[str]:
+        seen = {k for side in (before.get(u, {}), after.get(u, {})) for k in side if k.startswith(DECISION_KEY)}
+        return list(SERVER_COUNTERS) + sorted(seen)
+
+    return {u: {k: after.get(u, {}).get(k, 0.0) - before.get(u, {}).get(k, 0.0) for k in keys(u)} for u in urls}
 
 
 def d_gauges(scraped: dict[str, dict[str, float]], decode: list[str]) -> dict[str, float]:
