@@ -153,3 +153,22 @@ def test_offline_plan_creates_everything() -> None:
     plan = make_plan(topology, arts, empty_facts(topology))
     assert plan.exit_code == 2
     assert sum(1 for h in plan.hosts for f in h.files if f.action == "create") == len(arts)
+
+
+def test_offline_plan_json_of_the_example_shows_every_host_step() -> None:
+    """`plan --offline --output json` of the built-in example: each host is locked first and unlocked last, its files
+    committed by the script the plan holds (and undone by the restore script it holds), gates with their URLs."""
+    from click.testing import CliRunner
+
+    from bpdkv.cli import main
+
+    result = CliRunner().invoke(main, ["plan", "--offline", "--output", "json", str(ROOT / "examples" / "local-cpu.yaml")])
+    data = json.loads(result.output)
+    assert result.exit_code == 2, result.output
+    for host in data["hosts"]:
+        kinds = [op["op"] for op in host["operations"]]
+        assert kinds[0] == "lock" and kinds[-1] == "unlock", kinds
+        assert kinds.index("commit") > max(i for i, k in enumerate(kinds) if k == "upload")
+        commit = next(op for op in host["operations"] if op["op"] == "commit")
+        assert commit["script"].startswith("set -u\nB=") and commit["restore"].rstrip().endswith("restore")
+        assert all(op["base"].startswith("http://127.0.0.1:") for op in host["operations"] if op["op"] == "gate")
