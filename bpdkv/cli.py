@@ -578,6 +578,7 @@ def tune(
         prometheus,
         topo.name,
         t.parse_duration(since),
+        [] if routers else urls[2],
     )
     if output == "json":
         click.echo(json.dumps(result.to_json(), indent=2))

@@ -123,7 +123,8 @@ class MissCause(str, enum.Enum):
     """Why a continued turn (one that extends a stored conversation) did not reuse D's KV: the label of
     bpdkv_router_reuse_misses. First turns are not misses (nothing could have been stored)."""
 
-    EXPIRED = "expired"  # the turn came after the stored location's TTL (router), or P found D's hold expiring
+    EXPIRED = "expired"  # the turn came after the stored location's TTL (the router's)
+    EXPIRING = "expiring"  # within the router's TTL, but P found D's hold about to expire (the TTL margin is too thin)
     RELEASED = "released"  # D let the hold go before its TTL (hold budget or memory pressure)
     RESTARTED = "restarted"  # the holding D restarted, was drained, ejected as unhealthy, or left the fleet
     NOTHING_STORED = "nothing_stored"  # no location stored for this history (D returned none, or the turn before was last)

@@ -39,8 +39,12 @@ QUEUED = 1.0  # mean requests waiting per instance above which a role queues
 HOLD_BUDGET_STEP = 0.1
 HOLD_BUDGET_MAX = 0.8
 D_KV_BUSY = 0.85  # D's mean KV use above which held blocks crowd its live decodes
+MARGIN_EXPIRING_SHARE = 0.02  # continued turns P found expiring on D above which the router's margin doubles
 
 Buckets = tuple[tuple[float, float], ...]  # (upper bound, cumulative count), +Inf last
+# vLLM's own series of an engine's queue and KV use (bpdkv/router/engines.py reads the same).
+ENGINE_WAITING = "vllm:num_requests_waiting"
+ENGINE_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 class TuneError(BpdkvError):
@@ -252,8 +256,10 @@ def recommend_local_max_tokens(s: Signals, c: Current) -> Recommendation:
 def recommend_ratio(s: Signals, c: Current) -> Recommendation:
     name = "P:D"
     now = f"{c.prefill}:{c.decode}"
-    if ("prefill" not in s.waiting or "decode" not in s.waiting) or (s.samples and s.samples < MIN_SAMPLES):
+    if "prefill" not in s.waiting or "decode" not in s.waiting:
         return Recommendation(name, now, None, "too little data: no queue readings of both P and D")
+    if s.samples and s.samples < MIN_SAMPLES:
+        return Recommendation(name, now, None, f"too little data: {s.samples} queue readings (need {MIN_SAMPLES})")
     qp, qd = s.waiting["prefill"], s.waiting["decode"]
     kd = s.kv_usage.get("decode", 0.0)
     evidence = f"mean waiting per instance: P {qp:.2f}, D {qd:.2f}; D's KV use {_pct(kd)}"
@@ -270,8 +276,25 @@ def recommend_ratio(s: Signals, c: Current) -> Recommendation:
     return Recommendation(name, now, now, evidence + ": neither side queues much more than the other")
 
 
+def recommend_margin(s: Signals, c: Current) -> Recommendation:
+    """The router's TTL margin: turns the router offered P within its TTL but that P found about to expire on D (D's
+    and the router's clocks of one hold differ by the answer's way back, P's pull by its own time)."""
+    name = "router.ttl_margin"
+    turns = continued_turns(s)
+    if turns < MIN_CONTINUED:
+        return Recommendation(name, c.ttl_margin_s, None, f"too little data: {_n(turns)} continued turns (need {MIN_CONTINUED})")
+    expiring = s.misses.get(MissCause.EXPIRING.value, 0.0)
+    evidence = f"{_pct(expiring / turns)} of {_n(turns)} continued turns reached P with D's hold about to expire"
+    if expiring / turns >= MARGIN_EXPIRING_SHARE:
+        return Recommendation(
+            name, c.ttl_margin_s, 2 * c.ttl_margin_s, evidence, f"up to {_n(expiring)} fewer such misses in such a window"
+        )
+    return Recommendation(name, c.ttl_margin_s, c.ttl_margin_s, evidence)
+
+
 def recommend(s: Signals, c: Current) -> list[Recommendation]:
-    return [f(s, c) for f in (recommend_ttl, recommend_hold_budget, recommend_local_max_tokens, recommend_ratio)]
+    steps = (recommend_ttl, recommend_margin, recommend_hold_budget, recommend_local_max_tokens, recommend_ratio)
+    return [f(s, c) for f in steps]
 
 
 # ---- reading the series -----------------------------------------------------------------------------------------------
@@ -327,9 +350,27 @@ def _mean_per_role(scrapes: list[list[Sample]], name: str) -> dict[str, float]:
     return {role: sum(vs) / len(vs) for role, vs in per_role.items()}
 
 
-def signals_from_scrapes(router: list[list[Sample]], decode: list[list[Sample]], window_s: float) -> Signals:
+def engine_means(scrapes: list[list[list[Sample]]]) -> tuple[float | None, float | None]:
+    """(mean requests waiting per instance, mean KV use) of one role from vLLM's own series: per scrape the mean over
+    the instances that answered (an instance's DP engines summed, their KV use averaged), then the mean over scrapes."""
+    waits: list[float] = []
+    kvs: list[float] = []
+    for instances in scrapes:
+        w = [_sum(s, ENGINE_WAITING) for s in instances if any(n == ENGINE_WAITING for n, _, _ in s)]
+        k = [sum(kv) / len(kv) for kv in ([v for n, _, v in s if n in ENGINE_KV_USAGE] for s in instances) if kv]
+        if w:
+            waits.append(sum(w) / len(w))
+        if k:
+            kvs.append(sum(k) / len(k))
+    return (sum(waits) / len(waits) if waits else None, sum(kvs) / len(kvs) if kvs else None)
+
+
+def signals_from_scrapes(
+    router: list[list[Sample]], decode: list[list[Sample]], window_s: float, engines: Mapping[str, list[list[list[Sample]]]] | None = None
+) -> Signals:
     """Signals from successive scrapes of the routers' (summed) and D's /metrics: counters as last - first, gauges as
-    their mean over the scrapes."""
+    their mean over the scrapes. engines (role → per scrape, per instance): vLLM's own queue and KV series, read
+    where given; else the router's mirror of them (bpdkv_router_engine_*, as fresh as its paths.load_interval)."""
     if len(router) < 2:
         raise TuneError("need at least two scrapes of the router's /metrics")
     first, last = router[0], router[-1]
@@ -342,6 +383,14 @@ def signals_from_scrapes(router: list[list[Sample]], decode: list[list[Sample]],
         (_sum(s, "vllm:bpdkv_held_blocks"), _sum(s, "vllm:bpdkv_hold_budget_blocks"), _sum(s, "vllm:bpdkv_kv_blocks_total")) for s in decode
     ]
     held = [h for h in held if h[2] > 0]
+    waiting = _mean_per_role(router, "bpdkv_router_engine_waiting")
+    kv_usage = _mean_per_role(router, "bpdkv_router_engine_kv_usage")
+    for role, scrapes in (engines or {}).items():
+        w, k = engine_means(scrapes)
+        if w is not None:
+            waiting[role] = w
+        if k is not None:
+            kv_usage[role] = k
     return Signals(
         window_s=window_s,
         samples=len(router),
@@ -349,8 +398,8 @@ def signals_from_scrapes(router: list[list[Sample]], decode: list[list[Sample]],
         misses=delta_by(contracts.REUSE_MISSES_METRIC + "_total", "cause"),
         outcomes=delta_by(contracts.REUSE_OUTCOME_METRIC + "_total", "outcome"),
         stored=max(_sum(last, "bpdkv_router_sessions_stored_total") - _sum(first, "bpdkv_router_sessions_stored_total"), 0.0),
-        waiting=_mean_per_role(router, "bpdkv_router_engine_waiting"),
-        kv_usage=_mean_per_role(router, "bpdkv_router_engine_kv_usage"),
+        waiting=waiting,
+        kv_usage=kv_usage,
         held_share=sum(h[0] / h[2] for h in held) / len(held) if held else None,
         budget_share=sum(h[1] / h[2] for h in held) / len(held) if held else None,
         local_turns=max(
@@ -378,8 +427,9 @@ def watch(
     interval_s: float = 5.0,
     fetch: Callable[[str], str] = fetch_text,
     sleep: Callable[[float], None] = time.sleep,
+    prefills: list[str] | None = None,
 ) -> Signals:
-    """Scrape the routers' and D's /metrics every interval for duration (at least twice) → Signals. Ctrl-C
+    """Scrape the routers', D's (and P's) /metrics every interval for duration (at least twice) → Signals. Ctrl-C
     (KeyboardInterrupt) ends the watch early: one last scrape, and the window is what was watched."""
     if not routers:
         raise TuneError("no router to watch")
@@ -387,16 +437,24 @@ def watch(
     router_scrapes: list[list[Sample]] = []
     decode_scrapes: list[list[Sample]] = []
 
+    engines: dict[str, list[list[list[Sample]]]] = {"prefill": [], "decode": []}
+
+    def instances(urls: list[str]) -> list[list[Sample]]:
+        out = []
+        for url in urls:
+            try:
+                out.append(parse_exposition(fetch(url.rstrip("/") + "/metrics")))
+            except TuneError:
+                continue  # an engine's series are optional evidence; the router's are the signals
+        return out
+
     def scrape() -> None:
         got = [s for url in routers for s in parse_exposition(fetch(url.rstrip("/") + "/metrics"))]
-        scraped: list[Sample] = []
-        for url in decodes:
-            try:
-                scraped += parse_exposition(fetch(url.rstrip("/") + "/metrics"))
-            except TuneError:
-                continue  # D's gauges are optional evidence; the router's are the signals
+        d, p = instances(decodes), instances(prefills or [])
         router_scrapes.append(got)
-        decode_scrapes.append(scraped)
+        decode_scrapes.append([s for one in d for s in one])
+        engines["decode"].append(d)
+        engines["prefill"].append(p)
 
     start = time.monotonic()
     stop = False
@@ -414,7 +472,7 @@ def watch(
                 stop = True
         if stop and len(router_scrapes) >= 2:
             break
-    return signals_from_scrapes(router_scrapes, decode_scrapes, time.monotonic() - start if stop else duration_s)
+    return signals_from_scrapes(router_scrapes, decode_scrapes, time.monotonic() - start if stop else duration_s, engines)
 
 
 # ---- Prometheus' HTTP API ---------------------------------------------------------------------------------------------
@@ -486,14 +544,20 @@ def signals_from_prometheus(query: PromQuery, topology: str, since_s: float) -> 
     budget = one(
         f"sum(avg_over_time(vllm:bpdkv_hold_budget_blocks{{{sel}}}[{w}])) / sum(avg_over_time(vllm:bpdkv_kv_blocks_total{{{sel}}}[{w}]))"
     )
+    # vLLM's own series (per engine) where Prometheus scrapes P and D, else the router's mirror of them.
+    waiting = by(f"avg by (role) (avg_over_time(bpdkv_router_engine_waiting{{{sel}}}[{w}]))", "role")
+    kv_usage = by(f"avg by (role) (avg_over_time(bpdkv_router_engine_kv_usage{{{sel}}}[{w}]))", "role")
+    waiting.update(by(f"avg by (bpdkv_role) (avg_over_time({ENGINE_WAITING}{{{sel}}}[{w}]))", "bpdkv_role"))
+    for name in reversed(ENGINE_KV_USAGE):  # the current name wins
+        kv_usage.update(by(f"avg by (bpdkv_role) (avg_over_time({name}{{{sel}}}[{w}]))", "bpdkv_role"))
     return Signals(
         window_s=since_s,
         gaps=gaps,
         misses=by(f"sum by (cause) (increase({contracts.REUSE_MISSES_METRIC}_total{{{sel}}}[{w}]))", "cause"),
         outcomes=by(f"sum by (outcome) (increase({contracts.REUSE_OUTCOME_METRIC}_total{{{sel}}}[{w}]))", "outcome"),
         stored=one(f"sum(increase(bpdkv_router_sessions_stored_total{{{sel}}}[{w}]))") or 0.0,
-        waiting=by(f"avg by (role) (avg_over_time(bpdkv_router_engine_waiting{{{sel}}}[{w}]))", "role"),
-        kv_usage=by(f"avg by (role) (avg_over_time(bpdkv_router_engine_kv_usage{{{sel}}}[{w}]))", "role"),
+        waiting=waiting,
+        kv_usage=kv_usage,
         held_share=held,
         budget_share=budget,
         local_turns=one(f'sum(increase(bpdkv_router_paths_total{{{sel},path="decode_local"}}[{w}]))') or 0.0,
@@ -539,12 +603,13 @@ def current_of(topology: Any) -> Current:
     )
 
 
-def endpoints(topology: Any) -> tuple[list[str], list[str]]:
-    """The routers' and D's base URLs (the router serves TLS where the topology gives it a certificate)."""
+def endpoints(topology: Any) -> tuple[list[str], list[str], list[str]]:
+    """The routers', D's and P's base URLs (the router serves TLS where the topology gives it a certificate)."""
     scheme = "https" if topology.router.tls_cert else "http"
     routers = [f"{scheme}://{n.host}:{i.port}" for n, i in topology.instances("router")]
     decodes = [f"http://{n.host}:{i.port}" for n, i in topology.instances("decode")]
-    return routers, decodes
+    prefills = [f"http://{n.host}:{i.port}" for n, i in topology.instances("prefill")]
+    return routers, decodes, prefills
 
 
 def override_yaml(result: TuneResult, source: str) -> str:
@@ -559,9 +624,15 @@ def override_yaml(result: TuneResult, source: str) -> str:
     if kv:
         lines.append("kv_transfer:")
         lines += [f"  {r.setting}: {r.recommended}  # {r.evidence}" for r in kv]
+    router = [r for k, r in by.items() if k in ("router.ttl_margin", "paths.local_max_tokens")]
+    if router:
+        lines.append("router:")
+    if "router.ttl_margin" in by:
+        r = by["router.ttl_margin"]
+        lines.append(f"  ttl_margin: {r.recommended}  # {r.evidence}")
     if "paths.local_max_tokens" in by:
         r = by["paths.local_max_tokens"]
-        lines += ["router:", "  paths:", f"    local_max_tokens: {r.recommended}  # {r.evidence}"]
+        lines += ["  paths:", f"    local_max_tokens: {r.recommended}  # {r.evidence}"]
     if "P:D" in by:
         r = by["P:D"]
         lines.append(f"# P:D {r.current} → {r.recommended}: add the instance to `nodes` ({r.evidence})")
@@ -596,6 +667,7 @@ def run(
     prometheus: str | None = None,
     topology_name: str = "",
     since_s: float = 6 * 3600,
+    prefills: list[str] | None = None,
 ) -> TuneResult:
     """Read the signals from one source, recommend; a source that cannot be read is the result's error."""
     source = f"Prometheus {prometheus} (last {since_s:.0f} s)" if prometheus else f"{', '.join(routers)} watched {watch_s:.0f} s"
@@ -603,7 +675,7 @@ def run(
         if prometheus:
             signals = signals_from_prometheus(prometheus_query(prometheus), topology_name, since_s)
         else:
-            signals = watch(routers, decodes, watch_s or 60.0, min(interval_s, watch_s or 60.0))
+            signals = watch(routers, decodes, watch_s or 60.0, min(interval_s, watch_s or 60.0), prefills=prefills)
     except TuneError as exc:
         return TuneResult(source, None, error=str(exc))
     return TuneResult(source, signals, tuple(recommend(signals, current)))

@@ -242,7 +242,7 @@ _MAY_HAVE_READ = frozenset({"verified", "cut", "unverified_allowed"})
 # D's TTL: it is not counted `expired` (which `bpdkv tune` reads as "the TTL is too short").
 _PULL_CAUSES: dict[str, MissCause] = {
     "mismatch": MissCause.MISMATCH,
-    "expiring": MissCause.EXPIRED,
+    "expiring": MissCause.EXPIRING,
     "pin_lapsed": MissCause.REFUSED_PIN,
     "released": MissCause.RELEASED,
     "pin_busy": MissCause.REFUSED_PIN,

@@ -206,18 +206,21 @@ def _load(url: str, clients: int, seconds: float) -> list[threading.Thread]:
 @pytest.mark.parametrize(
     ("p_settings", "d_settings", "advice"),
     [
-        # P computes slowly and has one slot: requests queue at P.
-        ({"prefill_seconds_per_token": 0.004, "max_num_seqs": 1}, {"max_num_seqs": 1}, "2:1"),
-        # D streams slowly and has one slot: requests queue at D.
-        ({"max_num_seqs": 1}, {"token_interval": 0.02, "max_num_seqs": 1}, "1:2"),
+        # P computes slowly and has one slot: requests queue at P. A request spends seconds on the slow side, so
+        # the 6 clients are there nearly all the time however loaded the machine is (the queue is ~5, the rule needs 1).
+        ({"prefill_seconds_per_token": 0.02, "max_num_seqs": 1}, {"max_num_seqs": 1}, "2:1"),
+        # D streams slowly (40 tokens, 50 ms apart) and has one slot: requests queue at D.
+        ({"max_num_seqs": 1}, {"token_interval": 0.05, "max_num_seqs": 1}, "1:2"),
     ],
     ids=["P-bound", "D-bound"],
 )
 def test_pd_advice_names_the_side_that_queues(fleet_factory, p_settings: dict[str, Any], d_settings: dict[str, Any], advice: str) -> None:  # type: ignore[no-untyped-def]
     fleet = fleet_factory(p_settings=p_settings, d_settings=d_settings, router_changes={"reuse": False})
-    threads = _load(fleet.url, 6, 6.0)
+    threads = _load(fleet.url, 6, 7.0)
     try:
-        signals = tune.watch([fleet.url], [], duration_s=4, interval_s=0.5)
+        # vLLM's own queue series, from each engine's /metrics (the emulator's, held to vLLM's names)
+        p_urls, d_urls = fleet.emulator_urls[:1], fleet.emulator_urls[1:]
+        signals = tune.watch([fleet.url], d_urls, duration_s=4, interval_s=0.5, prefills=p_urls)
     finally:
         for t in threads:
             t.join(timeout=30)

@@ -251,3 +251,69 @@ def test_override_fragment_merges_into_the_topology(tmp_path: Path) -> None:
     assert tune.current_of(topology).hold_budget == 0.6
     assert json.dumps(result.to_json())  # JSON-able for --output json
     assert result.exit_code == 0 and tune.TuneResult("x", None, error="down").exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "misses", "expected"),
+    [
+        ({"hit": 95.0}, {"expiring": 5.0}, 20),  # 5 % reached P expiring: the margin doubles
+        ({"hit": 99.0}, {"expiring": 1.0}, 10),  # 1 %: keep
+        ({"hit": 10.0}, {"expiring": 5.0}, None),  # too little data
+    ],
+)
+def test_ttl_margin(outcomes: dict[str, float], misses: dict[str, float], expected: int | None) -> None:
+    rec = tune.recommend_margin(Signals(window_s=60, outcomes=outcomes, misses=misses), CURRENT)
+    assert rec.recommended == expected
+
+
+def test_every_setting_changed_lands_in_the_fragment() -> None:
+    gaps = [5.0 * (i + 1) for i in range(60)]
+    s = signals(gaps, 110, kv_usage={"decode": 0.5}, waiting={"prefill": 4.0, "decode": 0.0})
+    s = Signals(
+        **{
+            **s.__dict__,
+            "misses": {"expired": 41.0, "released": 20.0, "expiring": 5.0},
+            "new_tokens": bucketize([700.0] * 40),
+            "local_turns": 10,
+        }
+    )
+    result = tune.TuneResult("test", s, tuple(tune.recommend(s, CURRENT)))
+    fragment = yaml.safe_load(tune.override_yaml(result, "test"))
+    assert fragment == {
+        "kv_transfer": {"decoder_kv_blocks_ttl": 280, "kv_hold_budget": 0.6},
+        "router": {"ttl_margin": 20, "paths": {"local_max_tokens": 1024}},
+    }
+    assert "# P:D 2:2 → 3:2" in tune.override_yaml(result, "test")
+
+
+def test_router_keys_of_the_fragment_load(tmp_path: Path) -> None:
+    example = ROOT / "examples/local-cpu.yaml"
+    doc = yaml.safe_load(example.read_text())
+    router = doc.setdefault("router", {})
+    router["ttl_margin"] = 20
+    router.setdefault("paths", {})["local_max_tokens"] = 1024
+    merged = tmp_path / "local-cpu.yaml"
+    merged.write_text(yaml.safe_dump(doc))
+    topology = load_topology(merged, str(merged)).topology
+    current = tune.current_of(topology)
+    assert (current.ttl_margin_s, current.local_max_tokens) == (20, 1024)
+
+
+def test_engines_own_series_win_over_the_routers_mirror() -> None:
+    router = _scrape([], 0, 0, 0, 0)  # the mirror says nobody waits (stale: the router's load reads were off)
+    p = 'vllm:num_requests_waiting{engine="0"} 3\nvllm:num_requests_waiting{engine="1"} 1\nvllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+    d = "vllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.25\n"
+    pages = {"http://router/metrics": router, "http://p/metrics": p, "http://d/metrics": d}
+    s = tune.watch(["http://router"], ["http://d", "http://down"], 2, 1, fetch=_fetch(pages), sleep=lambda _: None, prefills=["http://p"])
+    assert s.waiting == {"prefill": 4.0, "decode": 0.0}  # one P of two DP engines: 3 + 1 waiting
+    assert s.kv_usage == {"prefill": 0.5, "decode": 0.25}  # the older series name read too
+    assert tune.recommend_ratio(s, CURRENT).recommended == "3:2"
+
+
+def _fetch(pages: dict[str, str]) -> Any:
+    def fetch(url: str) -> str:
+        if url not in pages:
+            raise tune.TuneError(f"{url}: Connection refused")
+        return pages[url]
+
+    return fetch
