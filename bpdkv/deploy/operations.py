@@ -14,7 +14,8 @@ from enum import Enum
 from typing import Any
 
 from bpdkv.deploy import efa
-from bpdkv.deploy.facts import BACKUP_DIR, DIRTY_PATH, LOCK_PATH, MANIFEST_PATH
+from bpdkv.deploy.bootstrap import SOURCE_MARKER
+from bpdkv.deploy.facts import BACKUP_DIR, DIRTY_PATH, LOCK_PATH, MANIFEST_PATH, NODE_WHEELHOUSE
 
 STATE_DIR = "/var/lib/bpdkv"
 TMP_SUFFIX = ".bpdkv-new"  # a staged file beside its target, renamed into place by the commit
@@ -52,11 +53,21 @@ class InstallSystemPackages:
 
 @dataclass(frozen=True)
 class InstallPackages:
-    """The node bootstrap (venv + wheels); `lines` say what changes (e.g. 'vllm 0.1 → 0.2')."""
+    """The node bootstrap (venv + wheels); `lines` say what changes (e.g. 'vllm 0.1 → 0.2'). The wheels are pushed to
+    NODE_WHEELHOUSE, the install script (bootstrap.install_command: it names the wheel apply builds or the wheelhouse
+    holds, so it is made at apply time) runs, and `source` (the bpdkv build's digest) is recorded in `venv`."""
 
     lines: tuple[str, ...]
+    venv: str = ""
+    source: str = ""
     op = "install packages"
     undo = Undo.NOT_UNDONE
+
+    def mkdir_command(self) -> str:
+        return f"mkdir -p {NODE_WHEELHOUSE}"
+
+    def record_command(self) -> str:
+        return f"echo {self.source} > {shlex.quote(self.venv)}/{SOURCE_MARKER}"
 
 
 @dataclass(frozen=True)
@@ -394,9 +405,11 @@ def shell_commands(op: Operation, owner: str) -> list[str]:
         return [op.mkdir_command(), op.command()]
     if isinstance(op, RunCommand):
         return [op.command]
+    if isinstance(op, InstallPackages):
+        return [op.mkdir_command(), op.record_command()]  # and the install script, made at apply time (see the class)
     if isinstance(op, InstallSystemPackages | DaemonReload | StopUnit | MarkDirty | RemoveStaged):
         return [op.command()]
-    return []  # uploads (files put, no shell), drains (HTTP), the package bootstrap (see the runner's install_packages)
+    return []  # uploads (files put, no shell), drains and gates (HTTP from the node)
 
 
 def stop_and_disable(unit: str) -> str:

@@ -559,7 +559,8 @@ def host_operations(
     if system_packages:
         out.append(ops.InstallSystemPackages(system_packages))
     if plan.installs:
-        out.append(ops.InstallPackages(tuple(p.line for p in plan.packages if p.action != "none")))
+        lines = tuple(p.line for p in plan.packages if p.action != "none")
+        out.append(ops.InstallPackages(lines, topology.vllm.venv, source_digest()))
     for u in plan.units:
         if u.action == "stop":
             out.append(ops.StopUnit(u.unit, u.instance, u.reason))

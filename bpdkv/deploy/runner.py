@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from bpdkv.deploy import efa
 from bpdkv.deploy import operations as ops
-from bpdkv.deploy.bootstrap import SOURCE_MARKER, check_installed, install_command, source_digest
+from bpdkv.deploy.bootstrap import check_installed, install_command
 from bpdkv.deploy.connectors import Connector, ConnectorError, plain_errno, probe, run_checked, run_step
 from bpdkv.deploy.facts import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
 from bpdkv.deploy.operations import TMP_SUFFIX
@@ -256,7 +256,7 @@ class Runner:
         node = next(n for n in self.topology.nodes if n.name == hp.host)
         facts = self.facts.get(hp.host)
         have = facts.wheelhouse if facts else {}
-        run_checked(conn, f"mkdir -p {NODE_WHEELHOUSE}")
+        run_checked(conn, op.mkdir_command())
         pushed = 0
         for name, local in sorted(self.packages.files.items()):
             if have.get(name) == local.stat().st_size and name != self.packages.bpdkv_wheel:
@@ -278,7 +278,7 @@ class Runner:
         problems = check_installed(self.topology, node, report)
         if problems:
             raise ConnectorError(hp.host, "installed packages do not verify: " + "; ".join(problems))
-        run_checked(conn, f"echo {source_digest()} > {shlex.quote(self.topology.vllm.venv)}/{SOURCE_MARKER}")
+        run_checked(conn, op.record_command())
         self.progress(hp.host, "verified: " + ", ".join(f"{k} {v}" for k, v in sorted(report.get("versions", {}).items())))
 
     def stop_removed(self, hp: HostPlan) -> None:
