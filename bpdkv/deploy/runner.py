@@ -1,5 +1,7 @@
-"""Execute a Plan's operations exactly: locks, packages, staged files committed by renames, daemon-reload, unit waves
-(drain → start → gate → undrain), rollback per host or per P/D generation, manifest last, locks released.
+"""Interpret a Plan's operations and report outcomes: locks, packages, staged files committed by the plan's commit
+script, daemon-reload, unit waves (drain → start → gate → undrain), probe pulls, rollback per host or per P/D
+generation by each operation's Undo, manifest last, locks released. Every shell command sent is one an operation
+holds (operations.shell_commands); the runner decides only order, parallelism and what a failure rolls back.
 
 Only `ConnectorError` (a transport failure) becomes a per-host outcome here. Any other exception is a bug: the host
 fails with the traceback in its log, the command exits 1, and the host is rolled back like any failed one.
