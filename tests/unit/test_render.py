@@ -150,7 +150,7 @@ def test_router_ttl_derived_from_decoder_ttl() -> None:
     config = yaml.safe_load(next(a for a in render_topology(t) if a.path.endswith(".router.yaml")).content)
     assert config["session_ttl"] == t.kv_transfer.decoder_kv_blocks_ttl - t.router.ttl_margin == 110
     generation = config["prefill"][0]["generation"]  # P and D of one topology: one generation (bpdkv/generations.py)
-    assert generation in config["generations"]
+    assert [g["id"] for g in config["generations"]] == [generation]
     assert config["prefill"] == [{"name": "prefill-0", "url": "http://10.213.0.11:8100", "generation": generation}]
     assert config["decode"] == [{"name": "decode-0", "url": "http://10.213.0.12:8200", "generation": generation}]
 
