@@ -15,6 +15,7 @@ from bpdkv.deploy import efa as efa_probe
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import PackageChange, package_changes, source_digest
 from bpdkv.deploy.facts import BACKUP_DIR, MANIFEST_PATH, NODE_WHEELHOUSE, DiskSpace, HostFacts, PreflightProblem
+from bpdkv.generations import compat_fingerprint  # the compatibility break, defined once (re-exported)
 from bpdkv.render import Artifact
 from bpdkv.secret_refs import health_probe, router_base, secret_diff
 from bpdkv.topology.model import Node, Topology
@@ -195,19 +196,6 @@ class Plan:
             data.get("group", []),
             data.get("limit", []),
         )
-
-
-def compat_fingerprint(topology: Topology) -> dict[str, Any]:
-    """What P and D must agree on; a change restarts all of them together as one generation."""
-    return {
-        "model": topology.model.id,
-        "vllm": topology.vllm.version,
-        "vllm_package": topology.vllm.package,
-        "dtype": topology.model.dtype,
-        "kv_cache_dtype": sorted({i.kv_cache_dtype for _, i in topology.instances() if i.role != "router"}),
-        "block_size": sorted({i.block_size for _, i in topology.instances() if i.role != "router"}),
-        "connector": topology.kv_transfer.connector,
-    }
 
 
 def generation_id(artifacts: list[Artifact]) -> str:
