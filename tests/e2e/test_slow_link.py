@@ -2,9 +2,10 @@
 link between them throttled by `tc` (tbf) on each host's eth0: one conversation of token-id turns, the same servers
 through every phase.
 
-- unthrottled: P pulls D's KV (and, once it has measured the link, because the pull is predicted faster);
-- throttled mid-conversation: the next pull is much slower than predicted, the estimate follows at once, and the turns
-  after it are computed on P (the decision counter moves, no NIXL bytes, D's hold is let go at once);
+- unthrottled: no blind pull (issue 34): with nothing measured P computes; once D's measurements of its own pulls (then
+  P's) say the link pays, P pulls D's KV;
+- throttled mid-conversation: the next offer moves bytes (a probe when P has no fit yet) and teaches P at once; the
+  turns after it are computed on P (the decision counter moves, no NIXL bytes, D's hold is let go at once);
 - throttle removed: a probe finds the link fast again (a second, longer one when the first cannot tell) and reuse
   resumes;
 - every turn equals a single plain server's output token for token.
@@ -192,38 +193,40 @@ def test_pull_only_where_it_pays_and_adapt_to_the_link(pd: tuple[Any, Any], refe
     print("\nslow-link e2e turns:", *rows, sep="\n  ")
     by = {r["turn"]: r for r in rows}
     assert all(r["same"] for r in rows), rows  # token for token equal to a single server, whatever P decided
-    # Unthrottled: P pulls (turn 2 also pays the NIXL handshake, turn 3 measures the link, turn 4 is decided on it).
-    assert all(by[n]["pulled"] > 0 for n in (2, 3, 4)), rows
-    # Turn 4 is decided on the link as measured: fast (a pull), or, when turn 3's pull happened to be slow on a loaded
-    # machine (CI: 0.27 s for 0.9 MB, 3.4 MB/s), a probe that finds it fast again.
-    assert by[4]["decisions"] in ({"pulled/link_faster": 1}, {"probe/probe_due": 1}), rows
-    assert by[4]["link_MBps"] > 10, rows  # either way P ends the unthrottled phase knowing the link is fast
-    # Throttled: the first pull is much slower than predicted and teaches P at once; the next turn computes locally.
-    # (Asserted on what P did and learnt — bytes moved, its link estimate, its decisions — never on seconds: timing
-    # targets live in benchmarks/slow_link.py.)
+    # No blind pull, ever: with nothing measured P computes (or probes), it never pulls a whole prefix on no evidence.
+    assert not any("pulled/no_estimate" in r["decisions"] for r in rows), rows
+    # Unthrottled: once there is evidence that the link pays (D's measurement of its own pulls, then P's), P pulls.
+    # The first pull from D's engine pays the NIXL handshake: counted, not fitted.
+    assert any(by[n]["pulled"] > 0 for n in (2, 3, 4)), rows
+    # Throttled: the first throttled offer moves bytes (a probe when P has no fit yet, else the pull it predicted) and
+    # teaches P the link is slow at once; the next turns compute locally. (Asserted on what P did and learnt — bytes,
+    # its link estimate, its decisions — never on seconds: timing targets live in benchmarks/slow_link.py.)
     assert by[5]["pulled"] > 0 and by[5]["bytes"] > 0, rows
-    assert by[5]["link_MBps"] < by[4]["link_MBps"], rows  # the throttled pull lowered P's estimate of the link
-    for n in range(THROTTLED_FROM + 1, THROTTLED_UNTIL + 1):
-        assert by[n]["decisions"] == {"recomputed/link_slower": 1}, rows
-        assert by[n]["pulled"] == 0 and by[n]["bytes"] == 0, rows  # no NIXL bytes
-        assert by[n]["outcome"] == contracts.PULL_LINK_SLOWER, rows  # the router learns it
-        assert by[n]["d_declined"] == 1, rows  # D let the hold go at once (fence release), not at its TTL
-    # Unthrottled again: D's last pull of P's blocks was still throttled (turn 8 computed, no probe); D sees the link
-    # fast on turn 8, so turn 9 probes (a prefix). A probe that finds the link fast makes turn 10 pull everything again.
-    # One that cannot tell (seen once in CI: one block took 0.20 s right after the throttle, the slow estimate said
-    # 0.13 s) makes the next probe long enough to tell, and the turn after that pulls.
-    recovered = THROTTLED_UNTIL + 1
-    assert by[recovered]["decisions"] == {"recomputed/link_slower": 1}, rows
-    assert by[recovered + 1]["decisions"] == {"probe/probe_due": 1}, rows
-    rest = [by[n] for n in range(recovered + 2, TURNS + 1)]
-    if rest[0]["decisions"] == {"probe/probe_due": 1}:
-        assert rest[0]["pulled"] > by[recovered + 1]["pulled"], rows
-        rest = rest[1:]
-    assert rest and all(r["decisions"] == {"pulled/link_faster": 1} for r in rest), rows
-    assert all(r["pulled"] > by[recovered + 1]["pulled"] > 0 for r in rest), rows
+    assert 0 < by[5]["link_MBps"] < 5, rows  # 4mbit is 0.5 MB/s; the unthrottled link measures hundreds of MB/s
+    # Each later throttled turn computes; only a periodic probe (a prefix, once the probe interval has passed since the
+    # last measurement — on a loaded machine a throttled turn can outlast it) may move bytes.
+    throttled = [by[n] for n in range(THROTTLED_FROM + 1, THROTTLED_UNTIL + 1)]
+    assert any(r["decisions"] == {"recomputed/link_slower": 1} for r in throttled), rows
+    for r in throttled:
+        if r["decisions"] == {"recomputed/link_slower": 1}:
+            assert r["pulled"] == 0 and r["bytes"] == 0, rows  # no NIXL bytes
+            assert r["outcome"] == contracts.PULL_LINK_SLOWER, rows  # the router learns it
+            assert r["d_declined"] == 1, rows  # D let the hold go at once (fence release), not at its TTL
+        else:
+            assert set(r["decisions"]) <= {"probe/probe_due", "probe/d_slower"} and r["pulled"] > 0, rows
+    # Unthrottled again: reuse resumes by itself — at once when D's fresh measurement (or P's probe) shows the link
+    # fast, or after a probe (two when the first cannot tell a slow link from a fixed per-pull cost). Which turn it is
+    # depends on when each side measured; what must hold: no turn fails or pulls blind, and the conversation ends
+    # pulling everything again with P knowing the link is fast.
+    allowed = {"recomputed/link_slower", "pulled/link_faster", "probe/probe_due", "probe/small_samples", "probe/d_slower"}
+    recovered = [by[n] for n in range(THROTTLED_UNTIL + 1, TURNS + 1)]
+    assert all(len(r["decisions"]) == 1 and set(r["decisions"]) <= allowed for r in recovered), rows
+    assert by[TURNS]["decisions"] == {"pulled/link_faster": 1} and by[TURNS]["pulled"] > 0, rows
+    assert by[TURNS]["link_MBps"] > 10, rows
     text = scrape(p.url)
     link = f"{d_host.address}:"
     rate = [line for line in text.splitlines() if line.startswith("vllm:bpdkv_link_bytes_per_second{") and link in line]
     assert rate and float(rate[0].rpartition(" ")[2]) > 0, rate
-    assert metric_value(text, "vllm:bpdkv_pull_mispredicted_total") >= 1
+    if "pulled/link_faster" in by[5]["decisions"]:  # turn 5 was predicted fast and measured slow: a misprediction
+        assert metric_value(text, "vllm:bpdkv_pull_mispredicted_total") >= 1
     assert metric_value(text, "vllm:bpdkv_prefill_tokens_per_second") > 0
