@@ -65,6 +65,23 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "hit: P was handed D's blocks; miss/expired/refused/...: why not.",
             ),
             Panel(
+                "Time between a conversation's turns",
+                "s",
+                (
+                    *_quantiles("bpdkv_router_turn_gap_seconds", SEL, "", ""),
+                    Query(f"histogram_quantile(0.9, sum by (le) (rate(bpdkv_router_turn_gap_seconds_bucket{{{SEL}}}{RATE})))", "p90"),
+                ),
+                "Users' think time, end of a turn's answer to the next turn. A TTL below its p90 loses reuse silently: "
+                "`bpdkv tune` recommends decoder_kv_blocks_ttl from it.",
+            ),
+            Panel(
+                "Reuse misses by cause",
+                "reqps",
+                (Query(f"sum by (cause) (rate(bpdkv_router_reuse_misses_total{{{SEL}}}{RATE}))", "{{cause}}"),),
+                "expired: the turn came after the TTL; released: D let the hold go early (hold budget); computed: P "
+                "decided to compute; restarted, nothing_stored, refused_pin, mismatch, ...: see docs/operations.md (Tuning).",
+            ),
+            Panel(
                 "Paths per turn",
                 "reqps",
                 (Query(f"sum by (path) (rate(bpdkv_router_paths_total{{{SEL}}}{RATE}))", "{{path}}"),),
