@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -458,20 +460,27 @@ def watch(
 
     start = time.monotonic()
     stop = False
-    for step in range(steps + 1):
-        if step:
-            try:
-                sleep(duration_s / steps)
-            except KeyboardInterrupt:
-                stop = True
-        for _ in range(10):  # a Ctrl-C during a scrape: finish it (again), then stop
-            try:
-                scrape()
+    # Ctrl-C must end the watch even where SIGINT came in ignored (a shell starts background jobs that way, and their
+    # children inherit it: CI's `bpdkv tune --watch` then ran its whole window). Restored afterwards.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if threading.current_thread() is threading.main_thread() else None
+    try:
+        for step in range(steps + 1):
+            if step:
+                try:
+                    sleep(duration_s / steps)
+                except KeyboardInterrupt:
+                    stop = True
+            for _ in range(10):  # a Ctrl-C during a scrape: finish it (again), then stop
+                try:
+                    scrape()
+                    break
+                except KeyboardInterrupt:
+                    stop = True
+            if stop and len(router_scrapes) >= 2:
                 break
-            except KeyboardInterrupt:
-                stop = True
-        if stop and len(router_scrapes) >= 2:
-            break
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return signals_from_scrapes(router_scrapes, decode_scrapes, time.monotonic() - start if stop else duration_s, engines)
 
 
