@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -155,6 +156,12 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
     assert [r["pulled_tokens"] for r in cal["sizes"]] == [64, 256, 512]
     assert cal["recommended_threshold"] is None or cal["recommended_threshold"] % 32 == 0
 
+    # `bpdkv tune` watches the real fleet (router, D's hold gauges, vLLM's own series) while the bench below runs;
+    # Ctrl-C ends the watch with one last scrape and the recommendations (issue 31: the real vLLM-CPU case).
+    tuning = subprocess.Popen(
+        ["bpdkv", "tune", str(EXAMPLE), "--watch", "900s", "--interval", "2s", "--output", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
     # `bpdkv bench` against the real fleet (small sizes): reuse on pulls from D, reuse off does not; JSON + PNG.
     bench_json, bench_png = report.with_name("bpdkv-fleet-bench.json"), report.with_name("bpdkv-fleet-bench.png")
     benched = bpdkv(
@@ -169,6 +176,17 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
     pulled = {label: r["servers"][PREFILL]["external_tokens"] for label, r in runs.items()}
     assert pulled["reuse-on/prefill-cache-off"] > 0 and pulled["reuse-off/prefill-cache-off"] == 0, pulled
     assert bench_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tuning.send_signal(signal.SIGINT)
+    try:
+        tuned_out, tuned_err = tuning.communicate(timeout=60)
+    finally:
+        if tuning.poll() is None:
+            os.killpg(tuning.pid, signal.SIGKILL)
+    assert tuning.returncode == 0, tuned_out[-2000:] + tuned_err[-2000:]
+    tuned = json.loads(tuned_out)
+    assert tuned["error"] is None and tuned["window_s"] > 0, tuned
+    settings = {r["setting"] for r in tuned["recommendations"]}
+    assert len(settings) >= 4 and all(r["evidence"] for r in tuned["recommendations"]), tuned
 
     # A crashed decode unit: status says so, apply brings it back.
     # The whole process tree, as the kernel's OOM killer + systemd's cgroup clean-up would leave it (the unit
