@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 from typing import Any
@@ -33,6 +34,7 @@ from starlette.requests import Request
 
 from bpdkv import contracts
 
+log = logging.getLogger("bpdkv.router")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
@@ -297,8 +299,50 @@ def sanitize(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return clean, session
 
 
-# ---- slow and large heads ---------------------------------------------------------------------------------------
-HEAD_LINGER_S = 1.0  # after a 431: how long the rest of the head is read and dropped before the connection closes
+# ---- slow, large and non-HTTP/1.x heads ------------------------------------------------------------------------
+HEAD_LINGER_S = 1.0  # after a refused head: how long the rest of it is read and dropped before the connection closes
+SPOKEN = ("1.0", "1.1")  # the HTTP versions the router speaks (docs/router.md, "HTTP versions")
+_VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])")
+BAD_REQUEST, VERSION_NOT_SUPPORTED = "400 Bad Request", "505 HTTP Version Not Supported"
+
+
+def request_line_problem(line: bytes) -> tuple[str, str] | None:
+    """What is wrong with a request line's HTTP version, as (status, message); None if nothing the router judges.
+
+    No version at all (`GET /`) is HTTP/0.9's simple request: 400 (its answer would be a bare body, which no client
+    of the router expects). A major version other than 1 (`HTTP/2.0`, `HTTP/0.9`, `HTTP/3.0`): 505, the status for a
+    major version the server does not speak (RFC 9110 §15.6.6). `HTTP/1.2` and up: 400, as httptools' parser says (no
+    such version exists). Any other malformed line is left to that parser (400)."""
+    parts = line.removesuffix(b"\r").split(b" ")
+    if len(parts) == 2:
+        return BAD_REQUEST, "HTTP/0.9 requests are not served (a request line needs a version: HTTP/1.1 or HTTP/1.0)"
+    match = _VERSION.fullmatch(parts[2]) if len(parts) == 3 else None
+    if match is None:
+        return None
+    major, minor = match.groups()
+    if major != b"1":
+        return VERSION_NOT_SUPPORTED, f"HTTP/{major.decode()}.{minor.decode()} is not supported: the router speaks HTTP/1.1 and HTTP/1.0"
+    if minor not in (b"0", b"1"):
+        return BAD_REQUEST, f"HTTP/1.{minor.decode()} is not an HTTP version: the router speaks HTTP/1.1 and HTTP/1.0"
+    return None
+
+
+def head_problem(version: str, headers: list[tuple[bytes, bytes]]) -> tuple[str, str] | None:
+    """What RFC 9112 refuses in a parsed head (version, lowercased header names), as (status, message); or None.
+
+    A version other than 1.0/1.1 reaching here came in a pipelined head, after another request in the same read (the
+    first line of a head at the start of a read is judged by request_line_problem): httptools reports a simple request
+    as 0.9. Host (§3.2): an HTTP/1.1 request without one, or any request with more than one, gets 400."""
+    if version not in SPOKEN:
+        if version.startswith("1.") or version == "0.9":
+            return BAD_REQUEST, f"HTTP/{version} requests are not served: the router speaks HTTP/1.1 and HTTP/1.0"
+        return VERSION_NOT_SUPPORTED, f"HTTP/{version} is not supported: the router speaks HTTP/1.1 and HTTP/1.0"
+    hosts = sum(1 for name, _ in headers if name == b"host")
+    if hosts == 0 and version == "1.1":
+        return BAD_REQUEST, "an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)"
+    if hosts > 1:
+        return BAD_REQUEST, f"a request has one Host header, not {hosts} (RFC 9112 §3.2)"
+    return None
 
 
 def _refusal(status: str, message: str) -> bytes:
@@ -308,7 +352,7 @@ def _refusal(status: str, message: str) -> bytes:
 
 
 def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTER_DEFAULTS["max_header_bytes"]) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a header-read timeout and a head size limit.
+    """uvicorn's httptools protocol with a header-read timeout, a head size limit and RFC 9112's version and Host rules.
 
     Timeout: a connection whose request head is not complete within header_timeout seconds of the connection (or of the
     first byte after a response) gets 408 and is closed.
@@ -317,7 +361,12 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
     reads that carry it: a head still incomplete after more than max_header_bytes, or complete and larger (the request
     line and header lines as parsed), gets 431 and the connection is closed — at most the limit plus one read held.
     The refusal goes out with a half close, then what the client still sends is read and dropped for up to
-    HEAD_LINGER_S (closing with unread bytes would reset the connection, and the client could lose the 431)."""
+    HEAD_LINGER_S (closing with unread bytes would reset the connection, and the client could lose the 431).
+
+    Versions and Host: a request line without a version (HTTP/0.9) is refused (400) as soon as its line ends — httptools
+    would wait for headers a 0.9 client never sends; a version other than 1.0/1.1 (505 or 400) or a missing or doubled
+    Host (400) once the head is parsed (request_line_problem, head_problem). The same half close and linger; one log
+    line each."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     timed_out = _refusal("408 Request Timeout", f"request header not received within {header_timeout:g} s")
@@ -330,6 +379,8 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
         _read = 0  # length of the read being parsed
         _restarted = False  # a message ended within the read being parsed (the next head began inside it)
         _refused = False
+        _line: bytes | None = b""  # the current head's request line so far, while it is not judged yet (None: judged)
+        _begun = False  # a message began and has not completed
 
         def _arm(self) -> None:
             if self._header_timer is None:
@@ -349,16 +400,16 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
                 self.transport.write(timed_out)
                 self.transport.close()
 
-        def _refuse_head(self) -> None:
+        def _refuse_head(self, response: bytes = too_large) -> None:
             self._refused = True
             self._disarm()
             transport = self.transport
             if transport.is_closing():
                 return
             if self.cycle is not None and not self.cycle.response_complete:
-                transport.close()  # a pipelined head behind a response being written: no room for a 431
+                transport.close()  # a pipelined head behind a response being written: no room for a refusal
                 return
-            transport.write(too_large)
+            transport.write(response)
             if transport.can_write_eof():
                 transport.write_eof()
                 self.loop.call_later(HEAD_LINGER_S, transport.close)
@@ -369,11 +420,35 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
             super().connection_made(transport)
             self._arm()
 
+        def _refuse_version(self, problem: tuple[str, str]) -> None:
+            status, message = problem
+            peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            log.warning("request from %s refused (%s): %s", peer, status[:3], message)
+            self._refuse_head(_refusal(status, message))
+
+        def _judge_line(self, data: bytes) -> tuple[str, str] | None:
+            """The request line's problem once it is complete (empty lines before it skipped, RFC 9112 §2.2)."""
+            line = (self._line or b"") + data
+            line = line.lstrip(b"\r\n")
+            end = line.find(b"\n")
+            if end < 0:
+                self._line = line if len(line) <= max_header_bytes else None  # a longer line gets 431 anyway
+                return None
+            self._line = None
+            return request_line_problem(line[:end])
+
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return  # the rest of a refused head: dropped until the linger ends
+            if self._line is not None:
+                problem = self._judge_line(data)
+                if problem is not None:
+                    self._refuse_version(problem)
+                    return
             self._read, self._restarted = len(data), False
             super().data_received(data)
+            if self._restarted and not self._begun and not self._refused:
+                self._line = b""  # the read ended with a message: the next one's head starts the next read
             if self._head_open and not self._refused:
                 if not self._restarted:  # a read that ended a message and began the next head is not counted
                     self._head_seen += len(data)
@@ -383,6 +458,7 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
         def on_message_begin(self) -> None:
             if self._refused:
                 return
+            self._begun = True
             super().on_message_begin()
             self._arm()
 
@@ -396,6 +472,10 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
                 if size > max_header_bytes:
                     self._refuse_head()
                     return
+            problem = head_problem(self.parser.get_http_version(), self.headers)
+            if problem is not None:
+                self._refuse_version(problem)
+                return
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
@@ -403,7 +483,7 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
-            self._head_open, self._restarted = True, True
+            self._head_open, self._restarted, self._begun, self._line = True, True, False, None
             if not self._refused:
                 super().on_message_complete()
 

@@ -89,9 +89,27 @@ def _direct_cycle(send: Send) -> Any:
     cycle = getattr(send, "__self__", None)
     if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl":
         return None
-    if not all(hasattr(cycle, a) for a in ("transport", "flow", "chunked_encoding", "disconnected", "response_started")):
+    if not all(
+        hasattr(cycle, a) for a in ("transport", "flow", "chunked_encoding", "disconnected", "response_started", "keep_alive", "scope")
+    ):
         return None
     return cycle
+
+
+def _close_delimit(cycle: Any) -> bool:
+    """Make an HTTP/1.0 request's stream close-delimited; whether it is.
+
+    HTTP/1.0 has no chunked coding (RFC 9112 §7): a 1.0 client — or nginx, which speaks 1.0 to its upstreams by default
+    — would read the chunk-size lines as part of the event stream. A response without a length is then delimited by
+    the connection's close (RFC 9112 §6.3). uvicorn's httptools cycle turns chunked on for any response without a
+    length whatever the request's version, unless its framing was decided before the head is written: `chunked_encoding
+    = False` here keeps `transfer-encoding` out of the head, `keep_alive = False` puts `connection: close` in it and
+    closes after the last write. (h11 frames a 1.0 response this way itself; the relay's ASGI path leaves it to it.)"""
+    if cycle.scope.get("http_version") != "1.0":
+        return False
+    cycle.chunked_encoding = False
+    cycle.keep_alive = False
+    return True
 
 
 class _HeadHold:
@@ -116,7 +134,8 @@ class SseRelay:
     before the first byte, mid-stream, or a failing write — and hands the outcome to `on_close`.
 
     Under uvicorn's httptools server, D's bytes are cut at event boundaries and written to the client's transport
-    (chunked framing done here) from D's data_received callback: no task switch per token. When the client's
+    (chunked framing done here, or none for an HTTP/1.0 request: close-delimited) from D's data_received callback: no
+    task switch per token. When the client's
     transport is over its high-water mark, reading from D pauses until it drained. Under any other ASGI server the
     same events go through ASGI `send` from this coroutine."""
 
@@ -185,6 +204,7 @@ class SseRelay:
         try:
             cycle = _direct_cycle(send)
             if cycle is not None:
+                raw_end = _close_delimit(cycle)
                 hold = _HeadHold(cycle.transport)
                 cycle.transport = hold
                 try:
@@ -197,6 +217,7 @@ class SseRelay:
                     cycle.transport.write(self._head)
                     self._head = b""
             else:
+                raw_end = False
                 await send(start)
                 upstream_error = await self._relay_asgi(send)
             if self._client_error is not None:
@@ -206,16 +227,26 @@ class SseRelay:
                 error = type(upstream_error).__name__
                 err = {"error": {"message": f"decode failed mid-stream: {error}", "type": "upstream_error"}}
                 body = self._held + b"data: " + json.dumps(err).encode() + EVENT_END
-                await send({"type": "http.response.body", "body": body, "more_body": False})
+                await self._last(send, cycle if raw_end else None, body)
             else:
                 tail = self._held + (self._edit(self._pending) if self._pending else b"")
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                await self._last(send, cycle if raw_end else None, tail)
                 completed = True
         except OSError as exc:  # the client's socket failed under send
             error = f"client {type(exc).__name__}"
         finally:
             # Cancelled (the client went away): close() drops D's connection, which cancels D's request.
             await self.close(completed, error)
+
+    @staticmethod
+    async def _last(send: Send, raw_cycle: Any, body: bytes) -> None:
+        """The response's last bytes, and its end. A close-delimited response's bytes go to the transport as they are
+        (uvicorn would count them against a Content-Length of 0); the empty last message ends it (and closes)."""
+        if raw_cycle is not None and body:
+            if not (raw_cycle.disconnected or raw_cycle.transport.is_closing()):
+                raw_cycle.transport.write(body)
+            body = b""
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _relay_direct(self, cycle: Any) -> BaseException | None:
         transport, flow = cycle.transport, cycle.flow
