@@ -1,6 +1,7 @@
 #!/bin/sh
 # System packages the test suite uses for real: systemd-analyze (unit verification), redis-server (router state),
-# OpenSSH server + iproute2 + util-linux (SSH test hosts in network namespaces), prometheus (bpdkv tune --prometheus).
+# OpenSSH server + iproute2 + util-linux (SSH test hosts in network namespaces), prometheus (bpdkv tune --prometheus),
+# nginx (the router behind a real reverse proxy).
 set -eu
 missing=""
 command -v systemd-analyze >/dev/null 2>&1 || missing="$missing systemd"
@@ -11,6 +12,7 @@ command -v nsenter >/dev/null 2>&1 || missing="$missing util-linux"
 command -v ss >/dev/null 2>&1 || missing="$missing iproute2"
 command -v pgrep >/dev/null 2>&1 || missing="$missing procps"
 command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"  # bpdkv tune --prometheus against a real server
+command -v nginx >/dev/null 2>&1 || missing="$missing nginx"  # the router behind a real reverse proxy (HTTP/1.0 upstream)
 if [ -n "$missing" ]; then
     if [ "$(id -u)" != 0 ]; then
         echo "missing:$missing (install them as root: apt-get install -y$missing)" >&2
