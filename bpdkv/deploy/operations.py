@@ -34,6 +34,7 @@ class Undo(str, Enum):
     RESTORE_BACKUP = "run the restore script: every backed-up file back, every created file removed, then daemon-reload"
     UNLOCK = "released by the host's unlock operation, whatever happened"
     REMOVE_STAGED = "the staged copies are removed at the end, whatever happened"
+    PREVIOUS_ROUTER_CONFIG = "the router config of the step before is written again (the router re-reads it)"
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,51 @@ class ProbePull:
     command: str
     processes: str
     timeout: float
+    transport: str = "efa"  # "efa": bytes count only over LIBFABRIC; "any": a cohort's gate (KV moved inside it)
     op = "probe pull"
     undo = Undo.NONE
+
+
+@dataclass(frozen=True)
+class WriteRouterConfig:
+    """Cohort apply: the router's config as it must read after one step of the roll (both generations, each node's P
+    and D in the generation it serves then), written atomically on the router's node. The router re-reads its upstreams
+    and generations without a restart; the step goes on once GET /admin/config reports `digest` (sha256 of `content`,
+    first 16 hex digits). Undone by writing the config of the step before again."""
+
+    host: str
+    path: str
+    mode: int
+    content: str
+    digest: str
+    admin_base: str
+    key_file: str | None = None
+    timeout: float = 60.0
+    op = "router config"
+    undo = Undo.PREVIOUS_ROUTER_CONFIG
+
+    def command(self) -> str:
+        staged, path = shlex.quote(self.path + TMP_SUFFIX), shlex.quote(self.path)
+        return f"chmod {self.mode:o} {staged} && mv -f {staged} {path}"
+
+
+@dataclass(frozen=True)
+class ServingGate:
+    """Cohort apply: the router's own count of what each generation can serve (GET /admin/config `serving`: available
+    P and D per generation) must equal the plan's figure for the step (`serving`, JSON {generation: {prefill, decode}})
+    within `timeout` seconds — the capacity the plan printed is what the router really has."""
+
+    host: str
+    admin_base: str
+    serving: str
+    key_file: str | None = None
+    timeout: float = 120.0
+    op = "serving gate"
+    undo = Undo.NONE
+
+    def expected(self) -> dict[str, dict[str, int]]:
+        data: dict[str, dict[str, int]] = json.loads(self.serving)
+        return data
 
 
 @dataclass(frozen=True)
@@ -334,7 +378,9 @@ class RemoveStaged:
 
 
 Operation = (
-    Lock
+    WriteRouterConfig
+    | ServingGate
+    | Lock
     | Unlock
     | Stage
     | Commit
@@ -378,6 +424,8 @@ _BY_NAME: dict[str, type[Any]] = {
 }
 _BY_NAME[WriteManifest.op] = WriteManifest
 _BY_NAME[RunCommand.op] = RunCommand
+_BY_NAME[WriteRouterConfig.op] = WriteRouterConfig
+_BY_NAME[ServingGate.op] = ServingGate
 
 
 def unit_log_command(unit: str, n: int) -> str:
@@ -405,6 +453,8 @@ def shell_commands(op: Operation, owner: str) -> list[str]:
         return [op.mkdir_command(), op.command()]
     if isinstance(op, RunCommand):
         return [op.command]
+    if isinstance(op, WriteRouterConfig):
+        return [op.command()]
     if isinstance(op, InstallPackages):
         return [op.mkdir_command(), op.record_command()]  # and the install script, made at apply time (see the class)
     if isinstance(op, InstallSystemPackages | DaemonReload | StopUnit | MarkDirty | RemoveStaged):
@@ -467,7 +517,14 @@ def describe(op: Operation) -> str:
     if isinstance(op, RunCommand):
         return op.description
     if isinstance(op, ProbePull):
+        if op.transport == "any":
+            return f"probe pull {op.prefill}→{op.decode}: one turn on {op.p_host}, D's NIXL counters must move (inside the new generation)"
         return f"EFA probe pull {op.prefill}→{op.decode}: one turn on {op.p_host}, KV must move over LIBFABRIC"
+    if isinstance(op, WriteRouterConfig):
+        return f"router config {op.path} on {op.host} (digest {op.digest}): the router re-reads its upstreams, no restart"
+    if isinstance(op, ServingGate):
+        want = ", ".join(f"{g[:12]} {c['prefill']} P + {c['decode']} D" for g, c in op.expected().items())
+        return f"serving gate on {op.host}: the router reports {want or 'nothing'} within {op.timeout:g}s"
     if isinstance(op, Lock):
         return f"lock {op.path} (refused if another apply holds it)"
     if isinstance(op, Unlock):

