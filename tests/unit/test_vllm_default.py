@@ -62,10 +62,11 @@ def test_cuda_vllm_034_installs_and_checks_cutlass(tmp_path: Path) -> None:
     topology = gpu_topology(tmp_path, None)
     node = topology.nodes[0]
     assert needs_cutlass(topology)
-    assert vllm_requirements(topology) == ["vllm==0.34.0", "nixl", CUTLASS_DSL]
+    # vLLM 0.34.0's METADATA pins `nvidia-cutlass-dsl[cu13]==4.8.0`; NIXL is the release's tested one (issue 42 item 4).
+    assert vllm_requirements(topology) == ["vllm==0.34.0", "nixl==1.5.1", f"{CUTLASS_DSL}[cu13]==4.8.0"]
     command = install_command(topology, node, "/w/bpdkv.whl", offline=True)
     install_line = next(line for line in command.splitlines() if "pip install" in line and "--force-reinstall" not in line)
-    assert install_line.endswith(f"vllm==0.34.0 nixl {CUTLASS_DSL} /w/bpdkv.whl")
+    assert install_line.endswith(f"vllm==0.34.0 nixl==1.5.1 '{CUTLASS_DSL}[cu13]==4.8.0' /w/bpdkv.whl")
     assert command.rstrip().endswith("vllm cutlass nixl bpdkv.vllm_plugin bpdkv.vllm_plugin.connector")
 
 
