@@ -15,6 +15,7 @@ from typing import Any
 from bpdkv.errors import BpdkvError, Diagnostic, InvalidTopology
 from bpdkv.topology import schema
 from bpdkv.topology.hostnames import host_problem, name_room, node_name, shown
+from bpdkv.topology.partial import delete_path, parse_path
 from bpdkv.topology.profiles import find_profile, list_profiles, suggest
 from bpdkv.topology.yaml_source import LoadedDocument, PathKey, SourceMap, format_path
 
@@ -164,10 +165,18 @@ def expand_groups(doc: LoadedDocument, machines: Mapping[str, Sequence[Machine]]
     problems = group_problems(doc)
     if problems:
         raise InvalidTopology(problems)
+    expanded, inventory, errors = _expand(doc, machines)
+    if errors:
+        raise InvalidTopology(errors)
+    return expanded, inventory
+
+
+def _expand(doc: LoadedDocument, machines: Mapping[str, Sequence[Machine]]) -> tuple[LoadedDocument, Inventory, list[Diagnostic]]:
+    """expand_groups of schema-valid groups: the machines that make a node, and the problems of those that do not."""
     data = dict(doc.data)
-    nodes = list(data.get("nodes") or [])
     if not isinstance(data.get("nodes", []), list):
         raise InvalidTopology([_located(doc.source, ("nodes",), "expected a list of nodes")])
+    nodes = list(data.get("nodes") or [])
     source = SourceMap(dict(doc.source.positions))
     errors: list[Diagnostic] = []
     found: list[InventoryNode] = []
@@ -275,11 +284,9 @@ def expand_groups(doc: LoadedDocument, machines: Mapping[str, Sequence[Machine]]
                     dns_name=m.public_dns or m.private_dns,
                 )
             )
-    if errors:
-        errors.sort(key=lambda d: (d.line or 0, d.column or 0))
-        raise InvalidTopology(errors)
+    errors.sort(key=lambda d: (d.line or 0, d.column or 0))
     data["nodes"] = nodes
-    return LoadedDocument(data, source, doc.file), Inventory(tuple(found), tuple(group_names))
+    return LoadedDocument(data, source, doc.file), Inventory(tuple(found), tuple(group_names)), errors
 
 
 def _node(group: dict[str, Any], name: str, host: str, machine: Machine) -> dict[str, Any]:
@@ -324,11 +331,133 @@ def placeholder_machines(doc: LoadedDocument) -> dict[str, list[Machine]]:
     return out
 
 
-def offline_inventory(doc: LoadedDocument) -> LoadedDocument:
-    """For `bpdkv validate`: each group as one placeholder machine, so its layout is checked without asking EC2."""
+@dataclass(frozen=True)
+class UsableGroups:
+    """Node groups cut down to what passed the schema, so `bpdkv validate` checks the rest in the same run."""
+
+    doc: LoadedDocument  # the document with only the usable groups and layout instances, positions kept
+    problems: list[Diagnostic]  # the groups' schema problems (and unknown instance types), at their written paths
+    set_aside: set[PathKey]  # written paths of the parts left out
+    origins: dict[PathKey, PathKey]  # (node_groups, kept index[, instances, kept index]) -> its written path
+
+
+def usable_groups(doc: LoadedDocument) -> UsableGroups:
+    """Set aside only the parts of `node_groups` that fail the schema: a layout instance, or a setting the group is
+    then checked without (a misspelt `hostnames` value: the default; an instance type with no preset: a machine with
+    the GPUs its layout asks for). A whole group goes only when it has no usable layout left."""
     problems = group_problems(doc)
-    if problems:
-        raise InvalidTopology(problems)
-    expanded, inventory = expand_groups(doc, placeholder_machines(doc))
-    untyped = {g["name"] for g in doc.data["node_groups"] if "instance_type" not in g}
-    return dataclasses.replace(expanded, unknown_hardware=frozenset(n.name for n in inventory.nodes if n.group in untyped))
+    groups = doc.data.get("node_groups")
+    data = dict(doc.data, node_groups=[])
+    if not isinstance(groups, list):
+        return UsableGroups(LoadedDocument(data, doc.source, doc.file), problems, {("node_groups",)}, {})
+    broken: dict[int, list[PathKey]] = {}
+    for problem in problems:
+        path = parse_path(problem.path)
+        if len(path) >= 2 and isinstance(path[1], int):
+            broken.setdefault(path[1], []).append(path[2:])
+    set_aside: set[PathKey] = set()
+    origins: dict[PathKey, PathKey] = {}
+    positions = {p: pos for p, pos in doc.source.positions.items() if p[:1] != ("node_groups",) or len(p) == 1}
+    presets = [p.name for p in list_profiles("hardware")]
+    names: set[str] = set()
+    for gi, written in enumerate(groups):
+        where: PathKey = ("node_groups", gi)
+        rels = broken.get(gi, [])
+        if not isinstance(written, dict) or not isinstance(written.get("instances"), list) or ("instances",) in rels:
+            set_aside.add(where)
+            continue
+        group = copy.deepcopy(written)
+        unknown = {issue.path for issue in schema.issues(written, "nodeGroup") if issue.unknown_key}
+        for rel in unknown:  # bpdkv would ignore nothing else about its part: drop the key alone
+            delete_path(group, rel)
+        rels = [rel for rel in rels if rel not in unknown]
+        bad_layout = {rel[1] for rel in rels if len(rel) >= 2 and rel[0] == "instances" and isinstance(rel[1], int)}
+        set_aside.update(where + ("instances", j) for j in bad_layout)
+        if not isinstance(group.get("ec2"), dict):
+            group["ec2"] = {}
+            set_aside.add(where + ("ec2",))
+        for rel in rels:
+            if rel[:1] == ("ec2",) and len(rel) >= 2:
+                group["ec2"].pop(rel[1], None)
+                set_aside.add(where + rel[:2])
+            elif rel and rel[0] not in ("instances", "ec2", "name"):
+                group.pop(rel[0], None)
+                set_aside.add(where + rel[:1])
+        name = group.get("name")
+        if not isinstance(name, str) or any(rel[:1] == ("name",) for rel in rels) or name in names:
+            name = (dns_label(name) if isinstance(name, str) else "") or f"group-{gi}"
+            name = name if name not in names else f"{name}-{gi}"
+            set_aside.add(where + ("name",))
+        names.add(name)
+        group["name"] = name
+        itype = group.get("instance_type")
+        if isinstance(itype, str) and find_profile("hardware", itype) is None:
+            problems.append(
+                _located(
+                    doc.source,
+                    where + ("instance_type",),
+                    f"no hardware preset for instance type '{itype}'; add profiles/hardware/{itype}.yaml ({suggest(itype, presets)})",
+                )
+            )
+            group.pop("instance_type")
+            set_aside.add(where + ("instance_type",))
+        layout = [j for j in range(len(group["instances"])) if j not in bad_layout]
+        if not layout:
+            set_aside.add(where)
+            continue
+        group["instances"] = [group["instances"][j] for j in layout]
+        kept: PathKey = ("node_groups", len(data["node_groups"]))
+        data["node_groups"].append(group)
+        origins[kept] = where
+        for new_j, j in enumerate(layout):
+            origins[kept + ("instances", new_j)] = where + ("instances", j)
+        for path, pos in doc.source.positions.items():
+            if path[:2] != where:
+                continue
+            rest = path[2:]
+            if rest[:1] == ("instances",) and len(rest) >= 2:
+                if rest[1] not in layout:
+                    continue
+                rest = ("instances", layout.index(int(rest[1]))) + rest[2:]
+            positions[kept + rest] = pos
+    problems.sort(key=lambda d: (d.line or 0, d.column or 0))
+    return UsableGroups(LoadedDocument(data, SourceMap(positions), doc.file), problems, set_aside, origins)
+
+
+def _written(path: PathKey, origins: Mapping[PathKey, PathKey]) -> PathKey:
+    for prefix, origin in sorted(origins.items(), key=lambda o: -len(o[0])):
+        if path[: len(prefix)] == prefix:
+            return origin + path[len(prefix) :]
+    return path
+
+
+def offline_inventory(doc: LoadedDocument) -> LoadedDocument:
+    """For `bpdkv validate`: each group as one placeholder machine, so its layout is checked without asking EC2.
+
+    A group's schema-invalid parts are set aside (usable_groups) and carried as problems in the document, so the
+    other groups, the written nodes and the rest of the group are still checked in the same run."""
+    usable = usable_groups(doc)
+    expanded, inventory, errors = _expand(usable.doc, placeholder_machines(usable.doc))
+    problems = list(usable.problems)
+    set_aside = set(usable.set_aside)
+    for error in errors:  # a placeholder that could not become a node: its group is left out
+        where = _written(parse_path(error.path), usable.origins)
+        problems.append(dataclasses.replace(error, path=format_path(where)))
+        set_aside.add(where[:2])
+    origins = dict(usable.origins)
+    first = len(expanded.data["nodes"]) - len(inventory.nodes)
+    kept = {g["name"]: ("node_groups", gi) for gi, g in enumerate(usable.doc.data["node_groups"])}
+    for k, node in enumerate(inventory.nodes, start=first):
+        origins[("nodes", k)] = origins[kept[node.group]]
+        for j in range(len(expanded.data["nodes"][k]["instances"])):
+            origins[("nodes", k, "instances", j)] = origins[kept[node.group] + ("instances", j)]
+    untyped = {g["name"] for g in usable.doc.data["node_groups"] if "instance_type" not in g}
+    if set_aside:  # the groups' problems are said; what stood in for their bad parts is not for the schema to judge
+        expanded.data = {key: value for key, value in expanded.data.items() if key != "node_groups"}
+    return dataclasses.replace(
+        expanded,
+        unknown_hardware=frozenset(n.name for n in inventory.nodes if n.group in untyped),
+        problems=tuple(problems),
+        set_aside={path: doc.source.locate(path) for path in set_aside},
+        origins=tuple((k, v) for k, v in origins.items() if k[0] == "nodes"),
+    )

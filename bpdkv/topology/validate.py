@@ -11,7 +11,7 @@ from typing import Any
 from bpdkv.errors import Diagnostic, InvalidTopology
 from bpdkv.topology import checks, schema
 from bpdkv.topology.model import Topology, build_topology
-from bpdkv.topology.partial import valid_parts
+from bpdkv.topology.partial import parse_path, valid_parts
 from bpdkv.topology.profiles import find_profile, list_profiles, load_profile, suggest
 from bpdkv.topology.yaml_source import LoadedDocument, PathKey, Position, SourceMap, format_path, load_yaml_file
 
@@ -36,11 +36,12 @@ def deep_merge(base: Any, override: Any) -> Any:
     return copy.deepcopy(override)
 
 
-def _diag(source: SourceMap, path: PathKey, message: str, severity: str = "error") -> Diagnostic:
+def _diag(source: SourceMap, path: PathKey, message: str, severity: str = "error", doc: LoadedDocument | None = None) -> Diagnostic:
+    """Located by ``path``; named by where it is written (an expanded node's problem names its group's part)."""
     pos = source.locate(path)
     return Diagnostic(
         message=message,
-        path=format_path(path),
+        path=format_path(doc.written_path(path) if doc else path),
         file=pos.file if pos else None,
         line=pos.line if pos else None,
         column=pos.column if pos else None,
@@ -139,13 +140,14 @@ def validate_document(doc: LoadedDocument, inventory: Inventory | None = None) -
     merged, source, errors = merge_presets(doc)
     if doc.unknown_hardware:
         merged = _assume_needed_hardware(merged, doc.unknown_hardware)
-    errors += schema.validate(merged, source)
+    errors = list(doc.problems) + errors + schema.validate(merged, source)
     if errors:
-        raise InvalidTopology(*_with_problems_of_valid_parts(merged, source, errors, doc.file))
+        errors, warnings = _with_problems_of_valid_parts(merged, source, errors, doc)
+        raise InvalidTopology(errors, offline + warnings)
     topology = build_topology(merged)
     problems = checks.run_checks(topology)
-    errors = [_diag(source, p.path, p.message) for p in problems if p.severity == "error"]
-    warnings = offline + [_diag(source, p.path, p.message, "warning") for p in problems if p.severity == "warning"]
+    errors = [_diag(source, p.path, p.message, doc=doc) for p in problems if p.severity == "error"]
+    warnings = offline + [_diag(source, p.path, p.message, "warning", doc) for p in problems if p.severity == "warning"]
     errors.sort(key=lambda d: (d.line or 0, d.column or 0))
     if errors:
         raise InvalidTopology(errors, warnings)
@@ -174,29 +176,53 @@ def _positive(value: Any) -> bool:
 SKIPPED_ALL = "semantic checks skipped: no node with a valid instance is left once the schema errors are set aside; fix them first"
 
 
+_INSTANCE_SKIPPED = "instance not checked further until its errors are fixed: its GPU, port, P/D and capacity checks were skipped"
+
+
 def skipped_checks(path: PathKey) -> str:
     """The warning for a part left out of the semantic checks because it fails the schema: which checks, and why."""
-    if len(path) == 4 and path[0] == "nodes":
-        return "instance not checked further until its errors are fixed: its GPU, port, P/D and capacity checks were skipped"
-    if len(path) == 2 and path[0] == "nodes":
+    kind, rest = path[0], path[2:]
+    if kind == "nodes" and len(path) == 2:
         return "node not checked further until its errors are fixed: its address, SSH, EFA and instance checks were skipped"
+    if kind in ("nodes", "node_groups") and len(rest) == 2 and rest[0] == "instances":
+        return _INSTANCE_SKIPPED
+    if kind == "nodes" and rest == ("instances",):
+        return "the node's instances not checked until its errors are fixed: their GPU, port, P/D and capacity checks were skipped"
+    if kind == "nodes" and rest == ("name",):
+        return "the rest of the node was checked; messages name it as written, or by its place without a name"
+    if kind == "nodes" and len(rest) == 3 and rest[2] == "name":
+        return "the rest of the instance was checked, its messages name it as written"
+    if kind == "nodes" and rest == ("host",):
+        return "not checked further until its errors are fixed; the rest of the node was checked"
+    if kind == "node_groups" and len(path) <= 2:
+        return "group not checked further until its errors are fixed: its layout's GPU, port, P/D and capacity checks were skipped"
+    if kind == "node_groups" and rest == ("instance_type",):
+        return "the group was checked as a machine with the GPUs its layout asks for, as without instance_type"
+    if kind == "node_groups" and rest == ("name",):
+        return "the group was checked under a placeholder name"
     return "invalid: the semantic checks ran with its default instead"
 
 
 def _with_problems_of_valid_parts(
-    merged: Any, source: SourceMap, errors: list[Diagnostic], file: str
+    merged: Any, source: SourceMap, errors: list[Diagnostic], doc: LoadedDocument
 ) -> tuple[list[Diagnostic], list[Diagnostic]]:
     """Schema errors plus the semantic problems of every part that passed the schema: all problems in one run."""
     errors, warnings = list(errors), list[Diagnostic]()
-    parts = valid_parts(merged, errors, [issue.path for issue in schema.issues(merged) if issue.unknown_key])
-    if parts is None or schema.validate(parts.data, source):
+    file = doc.file
+    unknown_keys = [issue.path for issue in schema.issues(merged) if issue.unknown_key]
+    parts = valid_parts(merged, errors, unknown_keys, frozenset(doc.set_aside))
+    # What is left must pass the schema (the model is built from it), but for the placeholders that stand in for it.
+    leftover = parts and [d for d in schema.validate(parts.data, source) if not parts.explains(parts.original(parse_path(d.path)))]
+    if parts is None or leftover:
         warnings.append(Diagnostic(SKIPPED_ALL, file=file, severity="warning"))
     else:
         for problem in checks.run_checks(build_topology(parts.data)):
             path = parts.original(problem.path)
             if not parts.explains(path):
-                (errors if problem.severity == "error" else warnings).append(_diag(source, path, problem.message, problem.severity))
-        warnings += [_diag(source, path, skipped_checks(path), "warning") for path in sorted(parts.dropped, key=str)]
+                (errors if problem.severity == "error" else warnings).append(_diag(source, path, problem.message, problem.severity, doc))
+        for path in sorted(parts.dropped, key=str):
+            located = SourceMap({path: pos}) if (pos := doc.set_aside.get(path)) else source  # a group's part: as written
+            warnings.append(_diag(located, path, skipped_checks(path), "warning"))
     warnings.sort(key=lambda d: (d.file != file, d.line or 0, d.column or 0))
     errors.sort(key=lambda d: (d.file != file, d.line or 0, d.column or 0))
     return errors, warnings

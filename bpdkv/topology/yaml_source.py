@@ -68,6 +68,18 @@ class LoadedDocument:
     # Placeholder nodes (validate / plan --offline) of node groups without instance_type: their hardware is unknown
     # until EC2 is asked, so they are checked as machines with what their layout needs.
     unknown_hardware: frozenset[str] = frozenset()
+    # Node groups that `bpdkv validate` expanded with their schema-invalid parts set aside (groups.offline_inventory):
+    # the problems found, the original paths of the parts left out, and where each expanded node and instance is written.
+    problems: tuple[Diagnostic, ...] = ()
+    set_aside: dict[PathKey, Position | None] = field(default_factory=dict)  # where each is written
+    origins: tuple[tuple[PathKey, PathKey], ...] = ()  # (path in the expanded document, path in the file)
+
+    def written_path(self, path: PathKey) -> PathKey:
+        """Where ``path`` of the expanded document is written: an expanded node's path becomes its group's."""
+        for prefix, origin in sorted(self.origins, key=lambda o: -len(o[0])):
+            if path[: len(prefix)] == prefix:
+                return origin + path[len(prefix) :]
+        return path
 
 
 def _fail(file: str, message: str, line: int | None = None, column: int | None = None) -> InvalidTopology:

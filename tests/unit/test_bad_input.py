@@ -158,11 +158,14 @@ def test_parts_left_out_of_the_semantic_checks_are_named() -> None:
     assert warnings == [
         f"{rel}:10:9: warning: nodes[0].instances[0]: instance not checked further until its errors are fixed: "
         "its GPU, port, P/D and capacity checks were skipped",
-        f"{rel}:14:5: warning: nodes[1]: node not checked further until its errors are fixed: "
-        "its address, SSH, EFA and instance checks were skipped",
+        f"{rel}:17:5: warning: nodes[1].instances: the node's instances not checked until its errors are fixed: "
+        "their GPU, port, P/D and capacity checks were skipped",
     ]
     result = CliRunner().invoke(main, ["validate", str(ROOT / rel), "--output", "json"])
-    assert [(w["path"], w["line"]) for w in json.loads(result.stdout)["warnings"]] == [("nodes[0].instances[0]", 10), ("nodes[1]", 14)]
+    assert [(w["path"], w["line"]) for w in json.loads(result.stdout)["warnings"]] == [
+        ("nodes[0].instances[0]", 10),
+        ("nodes[1].instances", 17),
+    ]
 
 
 def test_nothing_checkable_says_semantic_checks_were_skipped() -> None:
