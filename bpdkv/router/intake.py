@@ -312,11 +312,17 @@ def request_line_problem(line: bytes) -> tuple[str, str] | None:
     No version at all (`GET /`) is HTTP/0.9's simple request: 400 (its answer would be a bare body, which no client
     of the router expects). A major version other than 1 (`HTTP/2.0`, `HTTP/0.9`, `HTTP/3.0`): 505, the status for a
     major version the server does not speak (RFC 9110 §15.6.6). `HTTP/1.2` and up: 400, as httptools' parser says (no
-    such version exists). Any other malformed line is left to that parser (400)."""
+    such version exists). Another protocol's name (`RTSP/1.0`, which that parser reads as HTTP/1.0): 400. Any other
+    malformed line is left to that parser (400)."""
     parts = line.removesuffix(b"\r").split(b" ")
     if len(parts) == 2:
         return BAD_REQUEST, "HTTP/0.9 requests are not served (a request line needs a version: HTTP/1.1 or HTTP/1.0)"
-    match = _VERSION.fullmatch(parts[2]) if len(parts) == 3 else None
+    if len(parts) != 3:
+        return None
+    if parts[2][:5] != b"HTTP/" and b"/" in parts[2]:
+        name = parts[2].split(b"/")[0][:20].decode("ascii", "backslashreplace")
+        return BAD_REQUEST, f"{name} is not HTTP: the router speaks HTTP/1.1 and HTTP/1.0"
+    match = _VERSION.fullmatch(parts[2])
     if match is None:
         return None
     major, minor = match.groups()
@@ -349,6 +355,29 @@ def _refusal(status: str, message: str) -> bytes:
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": int(status[:3])}}).encode()
     head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
     return head.encode() + body
+
+
+class _AfterRefusal:
+    """httptools' parser, quiet once its protocol refused a head: the parser goes on with the rest of the read in which
+    a head was refused (from its callback), and may fail on it — uvicorn would log that and write a second answer to a
+    connection already answered and half closed."""
+
+    __slots__ = ("parser", "protocol")
+
+    def __init__(self, parser: Any, protocol: Any) -> None:
+        self.parser, self.protocol = parser, protocol
+
+    def feed_data(self, data: bytes) -> None:
+        import httptools
+
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if not self.protocol._refused:
+                raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parser, name)
 
 
 def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTER_DEFAULTS["max_header_bytes"]) -> type[asyncio.Protocol]:
@@ -415,6 +444,10 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
                 self.loop.call_later(HEAD_LINGER_S, transport.close)
             else:
                 transport.close()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.parser = _AfterRefusal(self.parser, self)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)

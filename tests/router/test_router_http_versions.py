@@ -203,7 +203,10 @@ def events(stream: bytes) -> list[bytes]:
         (b"GET / HTTP/1.9", 400),
         (b"GET / HTTP/1.1", None),
         (b"POST /v1/completions HTTP/1.0\r", None),
-        (b"GET / http/1.1", None),  # malformed otherwise: httptools' parser says 400
+        (b"DESCRIBE / RTSP/1.0", 400),  # httptools' parser would read it as HTTP/1.0
+        (b"SOURCE / ICE/1.0\r", 400),
+        (b"GET / http/1.1", 400),
+        (b"GET / HTTP/1.1/2", None),  # malformed otherwise: httptools' parser says 400
         (b"GET", None),
     ],
 )
@@ -286,11 +289,14 @@ def test_http11_keeps_the_connection_across_a_stream(router_process: RouterProce
             400,
             b"needs a Host header",
         ),
+        # bytes after the refused head that the parser then fails on: still the one answer and the one line
+        (b"GET /health HTTP/1.1\r\n\r\n{not announced}", 400, b"needs a Host header"),
         (b"GET /health HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n", 400, b"one Host header, not 2"),
         (b"GET /health HTTP/2.0\r\nhost: x\r\n\r\n", 505, b"HTTP/2.0 is not supported"),
         (b"GET /health HTTP/3.0\r\nhost: x\r\n\r\n", 505, b"HTTP/3.0 is not supported"),
         (b"GET /health HTTP/0.9\r\n\r\n", 505, b"HTTP/0.9 is not supported"),
         (b"GET /health HTTP/1.2\r\nhost: x\r\n\r\n", 400, b"HTTP/1.2 is not an HTTP version"),
+        (b"GET /health RTSP/1.0\r\nhost: x\r\n\r\n", 400, b"RTSP is not HTTP"),
         (request(b"2.0", chat_body(stream=True)), 505, b"HTTP/2.0 is not supported"),
         # HTTP/0.9's simple request: one line, then the client waits (answered at once, not after a header timeout)
         (b"GET /health\r\n", 400, b"HTTP/0.9 requests are not served"),
@@ -300,13 +306,15 @@ def test_http11_keeps_the_connection_across_a_stream(router_process: RouterProce
 def test_refused_heads_get_one_answer_one_log_line_and_a_close(
     router_process: RouterProcess, raw: bytes, status: int, words: bytes
 ) -> None:
-    before = len(router_process.refusals())
+    before, log_before = len(router_process.refusals()), len(router_process.log.read_text())
     answer = parse(exchange(router_process.port, raw, timeout=5))  # the close ends the read: no header timeout waited
     assert answer.status == status and answer.header(b"connection") == b"close", answer
     assert words in answer.body and answer.header(b"content-length") == str(len(answer.body)).encode()
     assert json.loads(answer.body)["error"]["code"] == status
     lines = router_process.refusals()[before:]
     assert len(lines) == 1 and f"refused ({status})" in lines[0], lines
+    time.sleep(0.2)  # whatever the router would log after the answer (the rest of the read parsed)
+    assert router_process.log.read_text()[log_before:].count("\n") == 1, router_process.log.read_text()[log_before:]
 
 
 def test_after_the_refusals_the_router_serves(router_process: RouterProcess) -> None:
