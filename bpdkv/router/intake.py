@@ -447,7 +447,7 @@ def http_protocol(header_timeout: float, max_header_bytes: int = contracts.ROUTE
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.parser = _AfterRefusal(self.parser, self)
+            self.parser = _AfterRefusal(self.parser, self)  # type: ignore[assignment]  # a stand-in for it
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
