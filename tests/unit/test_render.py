@@ -209,7 +209,7 @@ def test_quoting_survives_any_value(tmp_path: Path) -> None:
     subprocess.run([str(script)], check=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
     seen = json.loads(dump.read_text())
     assert seen["argv"][-len(NASTY_ARGS) :] == NASTY_ARGS
-    assert seen["argv"][seen["argv"].index("--model") + 1] == "/models/with space/ünï"
+    assert seen["argv"][:4] == ["-m", "vllm.entrypoints.cli.main", "serve", "/models/with space/ünï"]  # `vllm serve MODEL`
     for key, value in env.items():
         assert seen["env"][key] == value
     assert seen["env"]["LAST"] == "$(echo pwned)"

@@ -4,8 +4,7 @@ set -eu
 set -a
 . /etc/bpdkv/decode-example-decode-1.env
 set +a
-exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.openai.api_server \
-  --model Qwen/Qwen3-32B \
+exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.cli.main serve Qwen/Qwen3-32B \
   --served-model-name qwen3-32b \
   --host 0.0.0.0 \
   --port 8201 \

@@ -4,8 +4,7 @@ set -eu
 set -a
 . /etc/bpdkv/prefill-0.env
 set +a
-exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.openai.api_server \
-  --model Qwen/Qwen3-8B \
+exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.cli.main serve Qwen/Qwen3-8B \
   --served-model-name qwen3-8b \
   --host 0.0.0.0 \
   --port 8100 \

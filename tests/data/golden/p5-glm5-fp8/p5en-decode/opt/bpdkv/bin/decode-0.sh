@@ -4,8 +4,7 @@ set -eu
 set -a
 . /etc/bpdkv/decode-0.env
 set +a
-exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.openai.api_server \
-  --model zai-org/GLM-5-FP8 \
+exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.cli.main serve zai-org/GLM-5-FP8 \
   --served-model-name glm-5 \
   --host 0.0.0.0 \
   --port 8200 \

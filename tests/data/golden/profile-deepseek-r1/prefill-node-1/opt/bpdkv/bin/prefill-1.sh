@@ -4,8 +4,7 @@ set -eu
 set -a
 . /etc/bpdkv/prefill-1.env
 set +a
-exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.openai.api_server \
-  --model deepseek-ai/DeepSeek-R1 \
+exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.cli.main serve deepseek-ai/DeepSeek-R1 \
   --served-model-name deepseek-r1 \
   --host 0.0.0.0 \
   --port 8100 \

@@ -4,6 +4,5 @@ set -eu
 set -a
 . /etc/bpdkv/router-0.env
 set +a
-exec /opt/bpdkv/venv/bin/bpdkv \
-  router \
+exec /opt/bpdkv/venv/bin/bpdkv router \
   --config /etc/bpdkv/router-0.router.yaml

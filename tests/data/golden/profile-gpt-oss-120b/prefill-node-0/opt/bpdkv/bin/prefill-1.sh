@@ -4,8 +4,7 @@ set -eu
 set -a
 . /etc/bpdkv/prefill-1.env
 set +a
-exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.openai.api_server \
-  --model openai/gpt-oss-120b \
+exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.cli.main serve openai/gpt-oss-120b \
   --served-model-name gpt-oss-120b \
   --host 0.0.0.0 \
   --port 8101 \

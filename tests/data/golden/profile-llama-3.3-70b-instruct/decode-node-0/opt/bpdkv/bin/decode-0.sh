@@ -4,8 +4,7 @@ set -eu
 set -a
 . /etc/bpdkv/decode-0.env
 set +a
-exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.openai.api_server \
-  --model meta-llama/Llama-3.3-70B-Instruct \
+exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.cli.main serve meta-llama/Llama-3.3-70B-Instruct \
   --served-model-name llama-3.3-70b-instruct \
   --host 0.0.0.0 \
   --port 8200 \
