@@ -35,6 +35,7 @@ from bpdkv.errors import BpdkvError
 MIN_GAPS = 30  # turn gaps in the window (the TTL)
 MIN_CONTINUED = 30  # continued turns (the hold budget, local_max_tokens)
 MIN_SAMPLES = 3  # scrapes of the engines' queues (the P:D ratio)
+MIN_REQUESTS = 10  # requests finished in the window (the P:D ratio, where nothing queued or was in flight)
 TTL_QUANTILE = 0.9  # the TTL covers this share of the turn gaps
 TTL_STEP = 10  # seconds: recommended TTLs are rounded up to this
 QUEUED = 1.0  # mean requests waiting per instance above which a role queues
@@ -42,6 +43,9 @@ HOLD_BUDGET_STEP = 0.1
 HOLD_BUDGET_MAX = 0.8
 D_KV_BUSY = 0.85  # D's mean KV use above which held blocks crowd its live decodes
 MARGIN_EXPIRING_SHARE = 0.02  # continued turns P found expiring on D above which the router's margin doubles
+
+# Recommendation.capped_by: D's hold budget holds less than the TTL the gaps ask for.
+CAPPED_BY_HOLD_BUDGET = "kv_hold_budget"
 
 Buckets = tuple[tuple[float, float], ...]  # (upper bound, cumulative count), +Inf last
 # vLLM's own series of an engine's queue and KV use (bpdkv/router/engines.py reads the same).
@@ -69,6 +73,8 @@ class Signals:
     budget_share: float | None = None  # D: hold budget blocks / KV blocks
     local_turns: float = 0.0  # continued turns that ran on the holding D (path decode_local)
     new_tokens: Buckets = ()  # new tokens of continued turns that went through P (path prefill_pull)
+    requests: float = 0.0  # client requests the routers finished
+    in_flight: float = 0.0  # mean client requests in flight at the routers
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class Recommendation:
     evidence: str
     effect: str = ""
     predicted: Mapping[str, float] = field(default_factory=dict)  # numbers behind `effect`, for automation
+    capped_by: str = ""  # the limit that kept `recommended` below what the traffic asks (CAPPED_BY_*), "" when none
 
     @property
     def changes(self) -> bool:
@@ -167,7 +174,68 @@ def continued_turns(s: Signals) -> float:
     return hits + sum(s.misses.values())
 
 
+@dataclass(frozen=True)
+class TtlPrediction:
+    """What one TTL would give, from the window's gaps and D's hold gauges (pure; see `predict_ttl`)."""
+
+    ttl: int
+    hit_rate: float  # of returning turns
+    at_most: bool  # no turn came within the TTL in the window: the histogram's bound, not a prediction
+    held_ratio: float | None  # mean hold at this TTL / at the current one (None: nothing held now)
+    held_share: float | None  # D's held KV / its cache at this TTL (None: no hold gauges from D)
+
+
+def predict_ttl(s: Signals, c: Current, ttl: int) -> TtlPrediction:
+    """The hit rate of returning turns and D's held share at this TTL, no hold released early: the turns whose gap
+    fits the TTL (less the router's margin) hit as often as the turns within today's TTL did; D holds in proportion
+    to the mean time a stored location is held (gaps of turns that came back, the whole TTL for those that did not)."""
+    n = total(s.gaps)
+    expired = s.misses.get(MissCause.EXPIRED.value, 0.0)
+    hits = s.outcomes.get("hit", 0.0) + s.outcomes.get("partial", 0.0)
+    within = n - expired  # turns with a known gap that came within the TTL
+    share = cdf(s.gaps, ttl - c.ttl_margin_s)
+    rate = share * min(hits / within, 1.0) if within > 0 else share
+    never_back = max(s.stored - n, 0.0)
+    hold_now = mean_hold(s.gaps, never_back, c.ttl_s - c.ttl_margin_s)
+    ratio = mean_hold(s.gaps, never_back, ttl - c.ttl_margin_s) / hold_now if hold_now > 0 else None
+    held = s.held_share * ratio if s.held_share is not None and ratio is not None else None
+    return TtlPrediction(ttl, rate, within <= 0, ratio, held)
+
+
+def hold_budget_share(s: Signals, c: Current) -> float | None:
+    """D's hold budget as a share of its cache: D's own gauge, else the topology's (where D reports what it holds)."""
+    if s.held_share is None:
+        return None
+    return s.budget_share if s.budget_share is not None else c.hold_budget
+
+
+def ttl_within_budget(s: Signals, c: Current, most: int, budget: float) -> TtlPrediction | None:
+    """The longest TTL up to `most` (a multiple of TTL_STEP, or the current TTL) whose holds fit the budget; None when
+    not even the shortest does. D's held share grows with the TTL (mean_hold), so the fitting TTLs are the short ones."""
+    candidates = sorted({*range(TTL_STEP, most + 1, TTL_STEP), *([c.ttl_s] if c.ttl_s <= most else [])}, reverse=True)
+    for ttl in candidates:
+        if ttl <= c.ttl_margin_s:
+            break
+        got = predict_ttl(s, c, ttl)
+        if got.held_share is not None and got.held_share <= budget + 1e-9:
+            return got
+    return None
+
+
+def budget_for(held_share: float) -> float:
+    """The hold budget (a HOLD_BUDGET_STEP multiple) that holds this share of D's cache."""
+    return round(math.ceil(held_share / HOLD_BUDGET_STEP - 1e-9) * HOLD_BUDGET_STEP, 2)
+
+
+def _hit_text(before: float, p: TtlPrediction) -> str:
+    return f"{_pct(before)} → {'at most ' if p.at_most else ''}{_pct(p.hit_rate)}"
+
+
 def recommend_ttl(s: Signals, c: Current) -> Recommendation:
+    """The TTL that covers the p90 of the turn gaps (plus the router's margin) — capped at what D's hold budget can
+    hold: past it D releases the oldest holds early, so a longer TTL buys no hits (they are lost as `released` misses
+    instead of `expired` ones) and the hit rate it predicts would not come. The cap, what it costs and the budget
+    that would lift it are in the evidence, the effect and `predicted`."""
     n = total(s.gaps)
     name = "decoder_kv_blocks_ttl"
     if n < MIN_GAPS:
@@ -180,35 +248,65 @@ def recommend_ttl(s: Signals, c: Current) -> Recommendation:
         return Recommendation(
             name, c.ttl_s, None, f"p{TTL_QUANTILE * 100:.0f} of {_n(n)} turn gaps is beyond the histogram's last bucket{share}"
         )
-    ttl = int(math.ceil((p + c.ttl_margin_s) / TTL_STEP) * TTL_STEP)
+    wanted = int(math.ceil((p + c.ttl_margin_s) / TTL_STEP) * TTL_STEP)
     evidence = f"p{TTL_QUANTILE * 100:.0f} of {_n(n)} turn gaps = {p:.0f} s{share}"
     hits = s.outcomes.get("hit", 0.0) + s.outcomes.get("partial", 0.0)
-    within = n - expired  # turns with a known gap that came within the TTL
     before = hits / n
-    f_new = cdf(s.gaps, ttl - c.ttl_margin_s)
     predicted: dict[str, float] = {"think_p90_s": round(p, 1), "hit_rate_before": round(before, 3), "gaps": n}
-    if within > 0:
-        q = min(hits / within, 1.0)  # of the turns within the TTL, the share that reused (other causes aside)
-        predicted["hit_rate_predicted"] = round(f_new * q, 3)
-        effect = f"hit rate of returning turns {_pct(before)} → {_pct(f_new * q)}"
-    else:
-        predicted["hit_rate_predicted_max"] = round(f_new, 3)
-        effect = f"hit rate of returning turns {_pct(before)} → at most {_pct(f_new)} (no turn within the TTL yet)"
-    never_back = max(s.stored - n, 0.0)
-    hold_now, hold_new = mean_hold(s.gaps, never_back, c.ttl_s - c.ttl_margin_s), mean_hold(s.gaps, never_back, ttl - c.ttl_margin_s)
-    if hold_now > 0:
-        ratio = hold_new / hold_now
-        predicted["held_ratio"] = round(ratio, 2)
-        if s.held_share is not None:
-            held = s.held_share * ratio
-            predicted["held_share_predicted"] = round(held, 3)
-            budget = f" (hold budget {_pct(s.budget_share)})" if s.budget_share is not None else ""
-            effect += f"; D's held KV {_pct(s.held_share)} → {_pct(held)} of its cache{budget}"
-            if s.budget_share is not None and held > s.budget_share:
-                effect += ": over the budget, D would release holds early (misses `released`)"
-        else:
-            effect += f"; D's held KV ×{ratio:.2f} (no hold gauges from D)"
-    return Recommendation(name, c.ttl_s, ttl, evidence, effect, predicted)
+    want = predict_ttl(s, c, wanted)
+    budget = hold_budget_share(s, c)
+    if want.held_share is None or budget is None or want.held_share <= budget + 1e-9:
+        return Recommendation(name, c.ttl_s, wanted, evidence, _ttl_effect(s, before, want, budget), {**predicted, **_ttl_numbers(want)})
+
+    # Over D's hold budget: cap the TTL at what the budget holds, and say what lifting the budget would give.
+    needed = budget_for(want.held_share)
+    over = (
+        f"{wanted} s would hold {_pct(want.held_share)} of D's cache, over its hold budget {_pct(budget)} "
+        f"(D would release holds early: misses `released`)"
+    )
+    predicted.update(
+        ttl_uncapped=wanted,
+        hit_rate_uncapped=round(want.hit_rate, 3),
+        held_share_uncapped=round(want.held_share, 3),
+        hold_budget_share=round(budget, 3),
+        hold_budget_needed=needed,
+    )
+    lift = f"kv_hold_budget {needed:g} would allow {wanted} s: hit rate {_pct(want.hit_rate)}"
+    if needed > HOLD_BUDGET_MAX:
+        widest = ttl_within_budget(s, c, wanted, HOLD_BUDGET_MAX)
+        room = "more than D's cache" if needed > 1.0 else f"more than a hold budget should take ({HOLD_BUDGET_MAX:g})"
+        lift = f"{wanted} s needs kv_hold_budget {needed:g}, {room}: add D"
+        if widest is not None and widest.ttl > c.ttl_s:
+            predicted.update(ttl_at_max_budget=widest.ttl, hit_rate_at_max_budget=round(widest.hit_rate, 3))
+            lift += f"; kv_hold_budget {HOLD_BUDGET_MAX:g} would allow {widest.ttl} s: hit rate {_pct(widest.hit_rate)}"
+    capped = ttl_within_budget(s, c, wanted, budget)
+    if capped is None:
+        evidence += f"; no TTL fits D's hold budget {_pct(budget)} (D holds {_pct(s.held_share or 0.0)} of its cache already)"
+        return Recommendation(name, c.ttl_s, None, evidence, f"{over}; {lift}", predicted, capped_by=CAPPED_BY_HOLD_BUDGET)
+    evidence += f"; capped at {capped.ttl} s by D's hold budget: {over}"
+    effect = f"at {capped.ttl} s (capped by the hold budget): {_ttl_effect(s, before, capped, budget)}; {lift}"
+    return Recommendation(
+        name, c.ttl_s, capped.ttl, evidence, effect, {**predicted, **_ttl_numbers(capped)}, capped_by=CAPPED_BY_HOLD_BUDGET
+    )
+
+
+def _ttl_numbers(p: TtlPrediction) -> dict[str, float]:
+    out = {("hit_rate_predicted_max" if p.at_most else "hit_rate_predicted"): round(p.hit_rate, 3)}
+    if p.held_ratio is not None:
+        out["held_ratio"] = round(p.held_ratio, 2)
+    if p.held_share is not None:
+        out["held_share_predicted"] = round(p.held_share, 3)
+    return out
+
+
+def _ttl_effect(s: Signals, before: float, p: TtlPrediction, budget: float | None) -> str:
+    effect = f"hit rate of returning turns {_hit_text(before, p)}" + (" (no turn within the TTL yet)" if p.at_most else "")
+    if p.held_ratio is None:
+        return effect
+    if p.held_share is None or s.held_share is None:
+        return effect + f"; D's held KV ×{p.held_ratio:.2f} (no hold gauges from D)"
+    within = f" (hold budget {_pct(budget)})" if budget is not None else ""
+    return effect + f"; D's held KV {_pct(s.held_share)} → {_pct(p.held_share)} of its cache{within}"
 
 
 def recommend_hold_budget(s: Signals, c: Current) -> Recommendation:
@@ -263,6 +361,10 @@ def recommend_ratio(s: Signals, c: Current) -> Recommendation:
     if s.samples and s.samples < MIN_SAMPLES:
         return Recommendation(name, now, None, f"too little data: {s.samples} queue readings (need {MIN_SAMPLES})")
     qp, qd = s.waiting["prefill"], s.waiting["decode"]
+    if qp <= 0 and qd <= 0 and s.in_flight <= 0 and s.requests < MIN_REQUESTS:
+        # Nothing queued because nothing came: no queue is no evidence that the sizing fits.
+        idle = f"{_n(s.requests)} requests finished in the window (need {MIN_REQUESTS}), none queued or in flight"
+        return Recommendation(name, now, None, f"too little data: {idle}")
     kd = s.kv_usage.get("decode", 0.0)
     evidence = f"mean waiting per instance: P {qp:.2f}, D {qd:.2f}; D's KV use {_pct(kd)}"
     if qp >= QUEUED and qp > 2 * qd:
@@ -411,6 +513,8 @@ def signals_from_scrapes(
             _buckets(last, "bpdkv_router_turn_new_tokens", path="prefill_pull"),
             _buckets(first, "bpdkv_router_turn_new_tokens", path="prefill_pull"),
         ),
+        requests=max(_sum(last, "bpdkv_router_requests_total") - _sum(first, "bpdkv_router_requests_total"), 0.0),
+        in_flight=sum(_sum(s, "bpdkv_router_in_flight") for s in router) / len(router),
     )
 
 
@@ -571,6 +675,8 @@ def signals_from_prometheus(query: PromQuery, topology: str, since_s: float) -> 
         budget_share=budget,
         local_turns=one(f'sum(increase(bpdkv_router_paths_total{{{sel},path="decode_local"}}[{w}]))') or 0.0,
         new_tokens=new_tokens,
+        requests=one(f"sum(increase(bpdkv_router_requests_total{{{sel}}}[{w}]))") or 0.0,
+        in_flight=one(f"sum(avg_over_time(bpdkv_router_in_flight{{{sel}}}[{w}]))") or 0.0,
     )
 
 
@@ -629,6 +735,9 @@ def override_yaml(result: TuneResult, source: str) -> str:
         "# Merge these keys into the topology, then `bpdkv plan` shows the change and `bpdkv apply` makes it.",
     ]
     by = {r.setting: r for r in result.recommendations if r.changes}
+    ttl = next((r for r in result.recommendations if r.setting == "decoder_kv_blocks_ttl"), None)
+    if ttl is not None and ttl.capped_by:
+        lines += _capped_comment(ttl)
     kv = [r for k, r in by.items() if k in ("decoder_kv_blocks_ttl", "kv_hold_budget")]
     if kv:
         lines.append("kv_transfer:")
@@ -645,7 +754,7 @@ def override_yaml(result: TuneResult, source: str) -> str:
     if "P:D" in by:
         r = by["P:D"]
         lines.append(f"# P:D {r.current} → {r.recommended}: add the instance to `nodes` ({r.evidence})")
-    if len(lines) == 2:
+    if not any(line and not line.startswith("#") for line in lines):
         lines.append("# nothing to change")
     return "\n".join(lines) + "\n"
 
@@ -690,10 +799,28 @@ def run(
     return TuneResult(source, signals, tuple(recommend(signals, current)))
 
 
+def _capped_comment(r: Recommendation) -> list[str]:
+    """The override's word on a TTL the hold budget capped: what it is, what the traffic asked, what lifts the cap."""
+    p = r.predicted
+    asked = f"the turn gaps ask for {p.get('ttl_uncapped', 0):.0f} s"
+    if r.recommended is None:
+        head = f"# decoder_kv_blocks_ttl: no TTL fits D's hold budget ({_pct(p.get('hold_budget_share', 0.0))}); {asked}."
+    else:
+        what = "stays" if not r.changes else "is"
+        head = (
+            f"# decoder_kv_blocks_ttl {what} {r.recommended}, capped by D's hold budget ({_pct(p.get('hold_budget_share', 0.0))}): "
+            f"{asked}, which would hold {_pct(p.get('held_share_uncapped', 0.0))} of D's cache and be released early."
+        )
+    lift = f"# Predicted: {r.effect}." if r.effect else ""
+    return [head, lift] if lift else [head]
+
+
 def rows(result: TuneResult) -> list[tuple[str, str, str, str, str]]:
     """(setting, current, recommended, evidence, predicted effect) per setting, for a table."""
     out = []
     for r in result.recommendations:
         rec = "—" if r.recommended is None else ("keep" if not r.changes else str(r.recommended))
+        if r.capped_by:
+            rec += f" (capped by {r.capped_by})"
         out.append((r.setting, str(r.current), rec, r.evidence, r.effect))
     return out

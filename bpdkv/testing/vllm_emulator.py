@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from bpdkv import contracts
-from bpdkv.vllm_plugin import cost, decide, digests
+from bpdkv.vllm_plugin import cost, decide, digests, hold
 
 # Engines of this process, by engine id: the emulated NIXL fabric.
 FABRIC: dict[str, VllmEmulator] = {}
@@ -73,6 +73,10 @@ class EmulatorSettings:
     reasoning_parser: bool = False  # vLLM's `gemma4` reasoning parser: thoughts apart from the content, reasoning_tokens
     max_num_seqs: int = 0  # engine slots: requests beyond them count as waiting in /metrics (0: unlimited)
     kv_capacity_tokens: int = 0  # KV cache size for /metrics' usage: held and running tokens over it (0: usage 0)
+    # D: the node plugin's hold budget (share of kv_capacity_tokens' blocks). Set, D keeps at most that many held
+    # blocks (over it, the oldest holds go and D's answer names them, as the plugin's ledger and announcement do) and
+    # /metrics carries the plugin's hold gauges. None: holds unbounded, no hold gauges.
+    kv_hold_budget: float | None = None
     vllm_version: str = "0.32.0"  # GET /version; engines of different releases fail NIXL's handshake (no read)
     model_root: str | None = None  # GET /v1/models' root (vLLM: the --model argument); None: not reported
 
@@ -192,7 +196,35 @@ class VllmEmulator:
         lines += [f"vllm:num_requests_running{labels} {running}", f"vllm:num_requests_waiting{labels} {waiting}"]
         lines.append(f"vllm:kv_cache_usage_perc{labels} {usage}")
         lines.append(f"vllm:nixl_xfer_time_seconds_sum {self.counters.get('nixl_xfer_seconds', 0)}")
+        if self.settings.kv_hold_budget is not None:  # the node plugin's gauges (bpdkv/vllm_plugin/connector.py)
+            total, budget = self._hold_budget()
+            lines.append(f"vllm:bpdkv_held_blocks{labels} {self.held_blocks()}")
+            lines.append(f"vllm:bpdkv_hold_budget_blocks{labels} {budget}")
+            lines.append(f"vllm:bpdkv_kv_blocks_total{labels} {total}")
         return PlainTextResponse("\n".join(lines) + "\n")
+
+    def held_blocks(self) -> int:
+        """KV blocks D holds for a later pull now (holds past their TTL are freed, as the worker does)."""
+        now, bs = time.perf_counter(), self.settings.block_size
+        return sum(-(-len(h.tokens) // bs) for h in self.held.values() if h.expires_at > now)
+
+    def _hold_budget(self) -> tuple[int, int]:
+        """(KV blocks in all, the hold budget in blocks), as the plugin computes them."""
+        total = self.settings.kv_capacity_tokens // self.settings.block_size
+        return total, hold.budget_blocks(self.settings.kv_hold_budget or 0.0, total)
+
+    def _enforce_hold_budget(self, keep: str) -> list[str]:
+        """Over the hold budget: the oldest holds go first (the plugin's HoldLedger), never the one just made."""
+        _, budget = self._hold_budget()
+        released: list[str] = []
+        for rid in list(self.held):
+            if self.held_blocks() <= budget:
+                break
+            if rid != keep:
+                del self.held[rid]
+                released.append(rid)
+        self.count("emulator_holds_released_budget", len(released))
+        return released
 
     def load(self) -> tuple[float, float, float]:
         """(running, waiting, KV cache usage) as vLLM's /metrics gauges say them."""
@@ -561,6 +593,10 @@ class VllmEmulator:
             # Where P would pin the hold before reading (the plugin's UDP read fence); nothing listens: the emulated
             # P does not pin, and the router passes the key through untouched.
             params[contracts.FENCE] = "127.0.0.1:0"
+        if self.settings.kv_hold_budget is not None:
+            released = self._enforce_hold_budget(request_id)
+            if released:  # announced to the router, which stops offering them
+                params[contracts.RELEASED_REQUEST_IDS] = released
         return params
 
     async def _stream(self, body: dict[str, Any], answer: Answer, chat: bool, params: dict[str, Any] | None):  # type: ignore[no-untyped-def]
