@@ -52,6 +52,7 @@ class VllmServer:
         args: tuple[str, ...] = (),
         netns: str | None = None,
         address: str = "127.0.0.1",
+        python: Path | None = None,
     ) -> None:
         """netns: run inside that network namespace (a lab test host, bpdkv/lab/hosts.py) at `address`; NIXL then
         goes over the host's eth0 (UCX over TCP), where `tc` can throttle it."""
@@ -71,7 +72,7 @@ class VllmServer:
             *(["ip", "netns", "exec", netns] if netns is not None else []),
             "timeout",
             str(MAX_LIFETIME),
-            str(VLLM_PYTHON),
+            str(python or VLLM_PYTHON),
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",

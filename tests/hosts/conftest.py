@@ -37,7 +37,7 @@ def wipe(lab: TestHosts, fake_venv: bool = True) -> None:
     for host in lab.hosts:
         lab.exec(host, "for p in $(pgrep -f fake_vllm); do kill $p; done; true")
         # Real vLLM/router processes a failed e2e run may have left (their command lines name the host's venv).
-        lab.exec(host, "for p in $(pgrep -f /opt/bpdkv/venv/bin/); do kill -9 $p; done; true")
+        lab.exec(host, "for p in $(pgrep -f /opt/bpdkv/venv); do kill -9 $p; done; true")  # venv-<release> too (rolls)
         # A real `bpdkv router` a test started through a wrapper (its command line names this checkout's venv).
         lab.exec(host, "for p in $(pgrep -f '[b]pdkv router --config'); do kill -9 $p; done; true")
         for d in PER_HOST_DIRS:
