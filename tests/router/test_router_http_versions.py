@@ -26,6 +26,7 @@ import pytest
 import uvicorn
 import yaml
 
+from bpdkv.contracts import local_redis_conf
 from bpdkv.lab.ports import free_port
 from bpdkv.router.intake import head_problem, request_line_problem
 from bpdkv.testing.vllm_emulator import EmulatorSettings, ServerGroup, VllmEmulator
@@ -48,15 +49,20 @@ class RouterProcess:
         return [line for line in self.log.read_text().splitlines() if REFUSED in line]
 
 
-def start_router(tmp: Path, prefill_url: str, decode_url: str) -> tuple[subprocess.Popen[bytes], RouterProcess]:
-    """A `bpdkv router` process (the product's own server: httptools protocol with the head rules) on loopback."""
+def start_router(tmp: Path, prefill_url: str, decode_url: str, workers: int = 1) -> tuple[subprocess.Popen[bytes], RouterProcess]:
+    """A `bpdkv router` process (the product's own server: httptools protocol with the head rules) on loopback; with
+    workers > 1, a supervisor, its workers and its own redis-server."""
     port = free_port()
-    config = {
+    config: dict[str, Any] = {
         "listen": "127.0.0.1",
         "port": port,
         "prefill": [{"name": "prefill-0", "url": prefill_url}],
         "decode": [{"name": "decode-0", "url": decode_url}],
     }
+    if workers > 1:
+        redis_port = free_port()
+        (tmp / "redis.conf").write_text(local_redis_conf("http-versions", redis_port, str(tmp)))
+        config |= {"workers": workers, "state": f"redis://127.0.0.1:{redis_port}/0", "local_redis_conf": str(tmp / "redis.conf")}
     path = tmp / "router.yaml"
     path.write_text(yaml.safe_dump(config))
     log = tmp / "router.log"
@@ -298,6 +304,7 @@ def test_http11_keeps_the_connection_across_a_stream(router_process: RouterProce
         (b"GET /health HTTP/1.2\r\nhost: x\r\n\r\n", 400, b"HTTP/1.2 is not an HTTP version"),
         (b"GET /health RTSP/1.0\r\nhost: x\r\n\r\n", 400, b"RTSP is not HTTP"),
         (request(b"2.0", chat_body(stream=True)), 505, b"HTTP/2.0 is not supported"),
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505, b"HTTP/2.0 is not supported"),  # HTTP/2's connection preface
         # HTTP/0.9's simple request: one line, then the client waits (answered at once, not after a header timeout)
         (b"GET /health\r\n", 400, b"HTTP/0.9 requests are not served"),
         (b"\r\nGET /\r\n", 400, b"HTTP/0.9 requests are not served"),
@@ -320,6 +327,27 @@ def test_refused_heads_get_one_answer_one_log_line_and_a_close(
 def test_after_the_refusals_the_router_serves(router_process: RouterProcess) -> None:
     answer = parse(exchange(router_process.port, request(b"1.1", chat_body(stream=False, max_tokens=4), extra=b"connection: close\r\n")))
     assert answer.status == 200 and json.loads(answer.body)["choices"][0]["message"]["content"]
+
+
+def test_workers_speak_the_same(tmp_path: Path) -> None:
+    """A supervisor with two workers (each its own uvicorn on the shared port): a 1.0 stream close-delimited and a
+    missing Host refused, on whichever worker the kernel hands each connection."""
+    group = ServerGroup([VllmEmulator(EmulatorSettings(role="prefill")).app, VllmEmulator(EmulatorSettings(role="decode")).app])
+    urls = group.start()
+    try:
+        proc, router = start_router(tmp_path, urls[0], urls[1], workers=2)
+        try:
+            for _ in range(4):  # new connections: spread over both workers
+                answer = parse(exchange(router.port, request(b"1.0", chat_body(stream=True, max_tokens=10))))
+                assert answer.status == 200 and answer.header(b"transfer-encoding") is None
+                assert answer.header(b"connection") == b"close" and len(events(answer.body)) == 12
+                refused = parse(exchange(router.port, b"GET /health HTTP/1.1\r\n\r\n"))
+                assert refused.status == 400 and b"needs a Host header" in refused.body
+            assert len(router.refusals()) == 4 and "Traceback" not in router.log.read_text()
+        finally:
+            stop_process(proc)
+    finally:
+        group.stop()
 
 
 # ---- the router's app under uvicorn's own protocols ---------------------------------------------------------------
