@@ -195,6 +195,7 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         **router_secret_files(r, instance.name, CONFIG_DIR)[0],  # paths of key, password and TLS files
         **router_workers(topology, instance),
         **({"paths": dict(r.paths)} if r.paths else {}),  # per-turn paths: only what the topology sets
+        **({"max_header_bytes": r.max_header_bytes} if r.max_header_bytes is not None else {}),  # else the router's default
     }
 
 

@@ -110,6 +110,7 @@ class RouterSpec:
     tls_key: str | None = None
     workers: int | str = 1  # router processes sharing the port; "auto": 1 below 4 usable cores, else cores - 1
     paths: tuple[tuple[str, float], ...] = ()  # router config `paths` (per-turn paths), as the topology gives it
+    max_header_bytes: int | None = None  # largest request head; None: the router's (contracts.ROUTER_DEFAULTS)
 
     @property
     def admin_key_file(self) -> str | None:
@@ -328,6 +329,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
         reuse=bool(r.get("reuse", True)),
         workers=r.get("workers", 1),
         paths=tuple(sorted(r.get("paths", {}).items())),
+        max_header_bytes=int(r["max_header_bytes"]) if "max_header_bytes" in r else None,
         api_keys=tuple((t, _ref(v, f"router.api_keys.{t}")) for t, v in r.get("api_keys", {}).items()),
         admin_key=_ref(r.get("admin_key"), "router.admin_key"),
         redis_password=_ref(r.get("redis_password"), "router.redis_password"),
