@@ -260,14 +260,15 @@ def recommend_ttl(s: Signals, c: Current) -> Recommendation:
 
     # Over D's hold budget: cap the TTL at what the budget holds, and say what lifting the budget would give.
     needed = budget_for(want.held_share)
+    held_uncapped = round(want.held_share, 3)  # the evidence, the JSON and the override's comment say one number
     over = (
-        f"{wanted} s would hold {_pct(want.held_share)} of D's cache, over its hold budget {_pct(budget)} "
+        f"{wanted} s would hold {_pct(held_uncapped)} of D's cache, over its hold budget {_pct(budget)} "
         f"(D would release holds early: misses `released`)"
     )
     predicted.update(
         ttl_uncapped=wanted,
         hit_rate_uncapped=round(want.hit_rate, 3),
-        held_share_uncapped=round(want.held_share, 3),
+        held_share_uncapped=held_uncapped,
         hold_budget_share=round(budget, 3),
         hold_budget_needed=needed,
     )
