@@ -285,6 +285,29 @@ def test_http11_keeps_the_connection_across_a_stream(router_process: RouterProce
         assert stream.read().endswith(b'{"status":"ok"}')
 
 
+def test_http10_stream_cut_by_d_ends_with_the_error_event_and_the_close(fleet_factory: Any) -> None:
+    """D dies mid-stream: the error event goes out unframed like the others, and the close ends the stream."""
+    fleet = fleet_factory(d_settings={"token_interval": 0.05})
+    port = int(fleet.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(request(b"1.0", chat_body(stream=True, max_tokens=400)))
+        got = b""
+        while got.count(b"data: ") < 3:  # the stream is under way
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        fleet.group.crash()  # P and D end as killed processes would; the router stays
+        while chunk := sock.recv(65536):
+            got += chunk
+    answer = parse(got)
+    assert answer.status == 200 and answer.header(b"transfer-encoding") is None and answer.header(b"connection") == b"close"
+    body = answer.body
+    assert body.endswith(b"\n\n") and b"[DONE]" not in body
+    *tokens, last = body[:-2].split(b"\n\n")
+    assert all(event.startswith(b"data: {") and json.loads(event[6:])["choices"] for event in tokens)
+    assert json.loads(last[6:])["error"]["message"].startswith("decode failed mid-stream")
+
+
 # ---- what RFC 9112 refuses ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("raw", "status", "words"),
