@@ -17,7 +17,9 @@ Slow clients: the body must arrive within `client_timeouts.body` seconds (408, c
 uvicorn httptools protocol with that one timer added (uvicorn itself bounds only the idle keep-alive wait, which any
 byte ends: a client sending half a header was held forever). The same protocol bounds the request head's size
 (`max_header_bytes`): a larger head gets 431 and the connection is closed, having held at most the limit plus one read
-of it (httptools itself buffers a header of any size).
+of it (httptools itself buffers a header of any size). It also refuses what RFC 9112 refuses in a head — HTTP/0.9's
+simple request line, a version other than 1.0/1.1, an HTTP/1.1 request without Host — with one log line each
+(docs/router.md, "HTTP versions").
 """
 
 from __future__ import annotations
