@@ -6,6 +6,7 @@ Errors and warnings go to stderr (red, yellow), results to stdout; secrets are m
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -109,7 +110,9 @@ def roll_lines(roll: Any) -> list[str]:
 
         return ", ".join(f"{name(g)} {c.prefill} P + {c.decode} D" for g, c in caps.items())
 
-    lines = [f"generation {roll.old} (vLLM {roll.old_vllm}) → {roll.new} (vLLM {roll.new_vllm}); the router re-reads its upstreams at each step, no restart"]
+    lines = [
+        f"generation {roll.old} (vLLM {roll.old_vllm}) → {roll.new} (vLLM {roll.new_vllm}); the router re-reads its upstreams at each step, no restart"
+    ]
     lines.append(f"step 0 prepare: the router learns both generations (config {roll.prepare.digest})")
     for i, s in enumerate(roll.steps, 1):
         what = {
@@ -128,22 +131,39 @@ def print_roll(console: Any, roll: Any) -> None:
     from rich.markup import escape
 
     for line in roll_lines(roll):
-        console.print(("  " if not line.startswith("warning") else "  [yellow]") + escape(line) + ("[/]" if line.startswith("warning") else ""))
+        console.print(
+            ("  " if not line.startswith("warning") else "  [yellow]") + escape(line) + ("[/]" if line.startswith("warning") else "")
+        )
+
+
+def plan_console() -> Any:
+    """A console for plan lines: on a terminal they wrap at word boundaries of its width; in a pipe or a file they are
+    never wrapped (rich would fold them at 80 columns, or at $COLUMNS, mid-phrase), so grep and diff see whole lines."""
+    from rich.console import Console
+
+    try:
+        tty = sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stdout
+        tty = False
+    return Console(highlight=False, soft_wrap=not tty)
 
 
 def print_plan(plan: Any, show_diff: bool = True) -> None:
-    from rich.console import Console
+    """The plan, host by host. A host's problems (unreachable, preflight) are not in it: they follow on stderr, one line
+    each (print_plan_result, print_report), so a failed host is one line, not a line here and the same line again."""
     from rich.markup import escape
 
     from bpdkv.deploy.fleet import plan_summary
 
-    console = Console(highlight=False)
+    console = plan_console()
     console.print(f"[bold]plan[/] for topology [bold]{plan.topology}[/] (generation {plan.generation})")
     if plan.compat_break and plan.roll is not None:
         console.print(f"[bold yellow]compatibility break[/]: {escape('; '.join(plan.compat_changes))} — rolled cohort by cohort")
         print_roll(console, plan.roll)
     elif plan.compat_break:
-        console.print(f"[bold red]compatibility break[/]: {escape('; '.join(plan.compat_changes))} — all prefill and decode restart together")
+        console.print(
+            f"[bold red]compatibility break[/]: {escape('; '.join(plan.compat_changes))} — all prefill and decode restart together"
+        )
     if plan.downtime:
         console.print(f"[bold red]downtime[/]: {escape(plan.downtime)}; apply refuses unless --allow-downtime")
     colors = {"create": "green", "update": "yellow", "delete": "red", "none": "dim"}
@@ -152,11 +172,8 @@ def print_plan(plan: Any, show_diff: bool = True) -> None:
             console.print(f"[bold]{h.host}[/] ({h.address}): [dim]skipped (--limit)[/]")
             continue
         if not h.reachable:
-            console.print(f"[bold]{h.host}[/] ({h.address}): [red]error: {escape(h.error or '')}[/]")
-            continue
+            continue  # its one line is the problem line after the plan
         console.print(f"[bold]{h.host}[/] ({h.address})" + ("" if h.changed else " [dim]no changes[/]"))
-        for problem in h.problems:
-            console.print(f"  [red]preflight: {escape(problem.fact)}: {escape(problem.message)}[/]")
         if h.repair:
             console.print(f"  [magenta]repair: {escape(h.repair)}[/]")
         for p in h.packages:
