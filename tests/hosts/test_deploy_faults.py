@@ -223,7 +223,12 @@ def test_pd_generation_rolls_back_together_and_drains_through_router(hosts, tmp_
     write_topology(topo, doc)
     planned = json.loads(bpdkv("plan", str(topo), "--output", "json").stdout)
     assert planned["compat_break"] and planned["group"] == ["host1", "host2"]
-    result = bpdkv("apply", str(topo), "-y", "--start-timeout", "3")
+    # One P and one D, no spare: no cohort keeps a generation serving, so apply refuses without --allow-downtime.
+    assert planned["roll"] is None and "no cohort step keeps a P and a D serving" in planned["downtime"]
+    refused = bpdkv("apply", str(topo), "-y", "--start-timeout", "3")
+    assert refused.returncode == 1 and "pass --allow-downtime" in refused.stderr, refused.stdout + refused.stderr
+    assert version_of("10.213.0.11", 8100) == "v1"  # nothing ran
+    result = bpdkv("apply", str(topo), "-y", "--start-timeout", "3", "--allow-downtime")
     assert result.returncode == 1
     assert "host2: rolled back: host2: bpdkv-decode-0.service: health gate failed" in result.stderr, result.stderr
     assert "host1: rolled back: generation rolled back because host2" in result.stderr
