@@ -1,5 +1,6 @@
-"""The router's admin API (rolling deploys): list the upstreams, drain and undrain one. `bpdkv apply` calls it on the
-router node itself; with an admin key file only that key opens it, without one only loopback clients."""
+"""The router's admin API (rolling deploys): list the upstreams, drain and undrain one, and what config is loaded
+(its file's digest, the generations and how many P and D of each serve: router/reload.py). `bpdkv apply` calls it on
+the router node itself; with an admin key file only that key opens it, without one only loopback clients."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -54,8 +56,10 @@ class AdminApi:
         client: Callable[[], UpstreamClient],
         check_timeout: float,
         clock: Callable[[], float] = time.time,
+        loaded: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.prefill, self.decode = prefill, decode
+        self.loaded = loaded  # what GET /admin/config answers (the router's: its file, generations, serving counts)
         self.admin_key = admin_key
         self.client = client
         self.check_timeout = check_timeout
@@ -64,6 +68,7 @@ class AdminApi:
     def routes(self) -> list[Route]:
         return [
             Route("/admin/upstreams", self.list, methods=["GET"]),
+            Route("/admin/config", self.config, methods=["GET"]),
             Route("/admin/upstreams/{name}/{action}", self.action, methods=["POST"]),
         ]
 
@@ -89,7 +94,19 @@ class AdminApi:
         if denied is not None:
             return denied
         now = time.monotonic()
-        return JSONResponse({"upstreams": [m.describe(now) for m in self.members()]})
+        answer: dict[str, Any] = {"upstreams": [m.describe(now) for m in self.members()]}
+        if self.loaded is not None:
+            view = self.loaded()
+            answer["config"] = {"digest": view["digest"], "loaded_at": view["loaded_at"]}
+        return JSONResponse(answer)
+
+    async def config(self, request: Request) -> Response:
+        denied = self.denied(request)
+        if denied is not None:
+            return denied
+        if self.loaded is None:
+            return error(404, "this router has no config view", "not_found_error")
+        return JSONResponse(self.loaded())
 
     async def action(self, request: Request) -> Response:
         denied = self.denied(request)

@@ -5,6 +5,7 @@ the reuse policy (identity and stored D location, beside sessions), the P→D tu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import hashlib
 import json
@@ -24,7 +25,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from bpdkv import contracts
-from bpdkv.router import jsonbytes, security, sessions
+from bpdkv.contracts import MissCause
+from bpdkv.router import generations, jsonbytes, security, sessions
 from bpdkv.router.admin import AdminApi, bearer, error
 from bpdkv.router.config import RouterConfig
 from bpdkv.router.engines import STALE_AFTER, load_loop
@@ -32,6 +34,7 @@ from bpdkv.router.intake import CHAT, COMPLETIONS, BadRequest, ClientGone, read_
 from bpdkv.router.metrics import RouterMetrics
 from bpdkv.router.paths import PathDecision, PathReason, TurnPath
 from bpdkv.router.relay import RelayOutcome, Reply, SseRelay
+from bpdkv.router.reload import ConfigWatch, Loaded
 from bpdkv.router.reuse import ReusePolicy
 from bpdkv.router.sessions import Reuse
 from bpdkv.router.turn import (
@@ -45,7 +48,7 @@ from bpdkv.router.turn import (
     local_params,
 )
 from bpdkv.router.upstream_http import UpstreamClient
-from bpdkv.router.upstreams import Pool, build_members, check_all, health_loop
+from bpdkv.router.upstreams import Pool, build_members, check_all, check_member, health_loop
 
 log = logging.getLogger("bpdkv.router")
 T = TypeVar("T")
@@ -150,7 +153,13 @@ class Router:
         self._gauge_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self.reuse = ReusePolicy(config, self.store, self.decode, self.metrics, clock)
-        self.admin = AdminApi(self.prefill, self.decode, self.admin_key, self._session, config.health.check_timeout, clock)
+        # The config file, watched: upstreams and generations apply without a restart (reload.py).
+        self.watch = ConfigWatch(config, self.apply_upstreams, clock) if config.config_file else None
+        self._unwatched = Loaded(None, clock())
+        self._watch_task: asyncio.Task[None] | None = None
+        self.admin = AdminApi(
+            self.prefill, self.decode, self.admin_key, self._session, config.health.check_timeout, clock, self.loaded_config
+        )
         key_env = config.backend_api_key_env
         self._backend_key = os.environ.get(key_env) if key_env else None
         self.app = self  # the ASGI application (kept as an attribute for symmetry with Starlette apps)
@@ -231,10 +240,18 @@ class Router:
         # (a task wake-up per streamed token): see upstream_http.
         self.client = UpstreamClient(self.config.timeouts.connect)
         self._stop.clear()
+        if self.watch is not None:
+            await self.watch.first()
+            self._watch_task = asyncio.create_task(self.watch.run(self._stop))
         if self.config.health.interval > 0:
             self._health_task = asyncio.create_task(
                 health_loop(
-                    [self.prefill, self.decode], self.client, self.config.health.interval, self.config.health.check_timeout, self._stop
+                    [self.prefill, self.decode],
+                    self.client,
+                    self.config.health.interval,
+                    self.config.health.check_timeout,
+                    self._stop,
+                    self.publish_serving,
                 )
             )
         interval = self.config.paths.load_interval
@@ -247,7 +264,7 @@ class Router:
 
     async def stop(self) -> None:
         self._stop.set()
-        for task in (self._health_task, self._gauge_task, self._load_task):
+        for task in (self._health_task, self._gauge_task, self._load_task, self._watch_task):
             if task:
                 task.cancel()
                 try:
@@ -284,7 +301,11 @@ class Router:
             return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model", "owned_by": "bpdkv"}]})
         return error(503, "no upstream answered /v1/models")
 
+    def publish_serving(self) -> None:
+        generations.publish(self.prefill, self.decode, self.metrics)
+
     def _set_upstream_gauges(self) -> None:
+        self.publish_serving()
         now = time.monotonic()
         for pool in (self.prefill, self.decode):
             for m in pool.members:
@@ -316,6 +337,55 @@ class Router:
 
     async def check_health_now(self) -> None:
         await check_all([self.prefill, self.decode], self._session(), timeout=2.0)
+
+    # ---- the config, reloaded ------------------------------------------------------------------------------
+    async def apply_upstreams(self, new: RouterConfig) -> None:
+        """Apply a reloaded config's upstreams and generations in place (upstreams.Pool.reconcile); the members
+        added or moved are checked at once, and serve once they answer as their generation says."""
+        before = {(p.role, m.name) for p in (self.prefill, self.decode) for m in p.members}
+        at = self.clock()
+        check = [(self.prefill, m) for m in self.prefill.reconcile(new.prefill, new.generations, at)]
+        check += [(self.decode, m) for m in self.decode.reconcile(new.decode, new.generations, at)]
+        self.config = dataclasses.replace(self.config, prefill=new.prefill, decode=new.decode, generations=new.generations)
+        interval = self.config.paths.load_interval
+        for _, member in check:
+            if interval > 0:
+                member.load_fresh_for = STALE_AFTER * interval
+        gone = before - {(p.role, m.name) for p in (self.prefill, self.decode) for m in p.members}
+        for role, name in gone:  # no series of an upstream the router no longer has
+            for gauge in (self.metrics.backend_healthy, self.metrics.outstanding, *self._engine_gauges()):
+                try:
+                    gauge.remove(role, name)
+                except KeyError:
+                    pass
+        client = self._session()
+        timeout = self.config.health.check_timeout
+        await asyncio.gather(*(check_member(pool, m, client, timeout) for pool, m in check))
+        self.publish_serving()
+        log.info(
+            "router config applied: prefill %s, decode %s, generations %s",
+            [m.name for m in self.prefill.members],
+            [m.name for m in self.decode.members],
+            [g.id for g in self.config.generations] or "(none)",
+        )
+
+    def _engine_gauges(self) -> tuple[Any, ...]:
+        return (self.metrics.engine_running, self.metrics.engine_waiting, self.metrics.engine_kv_usage)
+
+    def loaded_config(self) -> dict[str, Any]:
+        """GET /admin/config: the file loaded (digest, when), the generations (oldest first) and the available P and D
+        of each, as this router process sees them now."""
+        loaded = self.watch.loaded if self.watch is not None else self._unwatched
+        ids = [g.id for g in self.config.generations]
+        members = (self.prefill.members, self.decode.members)
+        return {
+            "digest": loaded.digest,
+            "loaded_at": loaded.loaded_at,
+            "generations": ids,
+            "serving": generations.serving_counts(*members, ids or [""], time.monotonic()),
+            "pending_restart": list(loaded.pending_restart),
+            "pid": os.getpid(),
+        }
 
     # ---- auth ------------------------------------------------------------------------------------------------
     def _tenant(self, request: Request) -> str | None:
@@ -389,26 +459,33 @@ class Router:
             entry, outcome = None, Reuse.REFUSED
         self.metrics.child(self.metrics.paths, decision.path.value, decision.reason.value).inc()
         salt = uuid.uuid4().hex if request.headers.get(contracts.P_CACHE_HEADER, "").lower() == contracts.SWITCH_OFF else None
+        affinity = ident.affinity if ident else None
         prefilled = await self.turn.prefill(
-            route,
-            body,
-            entry.params if entry else None,
-            entry.decode if entry else None,
-            ident.affinity if ident else None,
-            headers,
-            salt,
+            route, body, entry.params if entry else None, entry.decode if entry else None, affinity, headers, salt
         )
         if isinstance(prefilled, Prefilled):  # P's answer says what reuse this request really got
             said = prefilled.params or {}
             outcome = sessions.settle(outcome, said.get(contracts.PULL_OUTCOME), prefilled.fell_back, said.get(contracts.PULLED_TOKENS))
-        self.metrics.child(self.metrics.reuse, outcome.value).inc()
-        if isinstance(prefilled, NoUpstream):
-            return error(502, prefilled.message, "upstream_error")
-        if isinstance(prefilled, Passthrough):
+            if prefilled.other_generation:
+                outcome = Reuse.REFUSED
+        if not isinstance(prefilled, Prefilled):
+            self.metrics.child(self.metrics.reuse, outcome.value).inc()
+            if isinstance(prefilled, NoUpstream):
+                return error(502, prefilled.message, "upstream_error")
             return _passthrough(prefilled.answer)
         if last_turn:
             ident = None
         decoded = await self.turn.decode(route, body, prefilled.params, headers, stream, hold)
+        if isinstance(decoded, NoUpstream):
+            # No D of the turn's generation could take it (drained, ejected or failed while P computed; nothing has
+            # reached the client): the turn again on a generation that serves, from its prompt.
+            rescued = await self.turn.rescue_decode(route, body, affinity, headers, stream, hold, salt)
+            if rescued is not None:
+                decoded = rescued
+                if outcome in (Reuse.HIT, Reuse.PARTIAL):  # what P read is not what answers: computed elsewhere
+                    self.metrics.miss(MissCause.OTHER_GENERATION)
+                    outcome = Reuse.REFUSED
+        self.metrics.child(self.metrics.reuse, outcome.value).inc()
         return await self._answer(decoded, route, body, ident, start, account)
 
     async def _answer(
@@ -440,7 +517,8 @@ class Router:
             return Response(answer.content, status_code=answer.status, media_type=answer.content_type)
         reply = Reply.of(data)
         data.pop(contracts.KV_TRANSFER_PARAMS, None)
-        await self.reuse.after_decode(ident, body, reply, decoded.member)
+        if decoded.member.incarnation == decoded.incarnation:  # else a reload moved D: its answer is the old engine's
+            await self.reuse.after_decode(ident, body, reply, decoded.member)
         self.metrics.ttft.observe(time.perf_counter() - start)
         return Response(jsonbytes.dumps(data), status_code=200, media_type="application/json")
 
@@ -449,11 +527,14 @@ class Router:
     ) -> SseRelay:
         keep = self.config.reuse and ident is not None
         member = decoded.member
+        incarnation = decoded.incarnation
 
         async def on_close(outcome: RelayOutcome) -> None:
+            moved = member.incarnation != incarnation  # a reload moved D meanwhile: nothing of this engine is D's now
             if outcome.error is not None and not outcome.error.startswith("client"):
                 self.metrics.upstream_errors.labels("decode", member.name, outcome.error).inc()
-                self.decode.failure(member, outcome.error)
+                if not moved:
+                    self.decode.failure(member, outcome.error)
             upstream_failed = outcome.error is not None and not outcome.error.startswith("client")
             status = 200 if outcome.completed else 502 if upstream_failed else 499
             if status == 499 and not account.done:
@@ -461,7 +542,7 @@ class Router:
                 # relay (no error). The disconnects before a response started are counted in _serve_completion.
                 self.metrics.disconnects.inc()
             account.finish(status)
-            if not outcome.completed:
+            if not outcome.completed or moved:
                 return
             if keep:
                 reply = Reply.of(outcome.kept)

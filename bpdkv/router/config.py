@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,8 @@ class RouterConfig:
     # redis-server config the router runs as its own child (workers > 1 without an external Redis; render writes it).
     local_redis_conf: str | None = None
     generations: tuple[GenerationSpec, ...] = ()  # oldest first; P and D pair only within one (router/generations.py)
+    # The file it was loaded from, which the router watches (router/reload.py); None: built from flags, not watched.
+    config_file: str | None = None
 
     def worker_count(self) -> int:
         if self.workers == "auto":
@@ -228,16 +230,27 @@ def _build(data: dict[str, Any]) -> RouterConfig:
             GenerationSpec(g["id"], g.get("vllm"), g.get("model_root"), dict(g.get("fingerprint") or {}))
             for g in data.get("generations") or ()
         ),
+        config_file=data.get("config_file"),
     )
 
 
-def load_config(path: Path) -> RouterConfig:
+def config_from_bytes(raw: bytes, path: Path) -> RouterConfig:
+    """A config file's bytes → a validated RouterConfig that remembers its file (the router watches it)."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise RouterConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RouterConfigError(f"{path}: not UTF-8: {exc}") from None
     except yaml.YAMLError as exc:
         raise RouterConfigError(f"{path}: invalid YAML: {exc}".replace("\n", " ")) from None
     if not isinstance(data, dict):
         raise RouterConfigError(f"{path}: expected a mapping")
-    return config_from_dict(data, str(path))
+    config = config_from_dict(data, str(path))
+    return replace(config, config_file=str(path.absolute()))
+
+
+def load_config(path: Path) -> RouterConfig:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise RouterConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return config_from_bytes(raw, path)

@@ -69,6 +69,11 @@ class ReusePolicy:
             if holder is None or not holder.holds(entry.params.get(contracts.REMOTE_ENGINE_ID), entry.stored_at):
                 seen.append(Reuse.REFUSED)
                 return Verdict.DROP
+            if holder.generation != entry.generation:
+                # A reloaded config moved that D to another generation (router/reload.py): its blocks are another
+                # generation's; a worker that reloaded later may have stored this after this worker's reload.
+                seen.append(Reuse.REFUSED)
+                return Verdict.DROP
             return Verdict.TAKE
 
         try:
@@ -105,7 +110,7 @@ class ReusePolicy:
         self.metrics.miss(MissCause.CONSUMED if ended else MissCause.NOTHING_STORED)
         return None, Reuse.MISS
 
-    async def remember(self, ident: sessions.Identity, body: dict[str, Any], reply: Reply, decode: str) -> None:
+    async def remember(self, ident: sessions.Identity, body: dict[str, Any], reply: Reply, decode: str, generation: str = "") -> None:
         params = {k: v for k, v in (reply.params or {}).items() if k not in ANNOUNCEMENT_KEYS}
         ttl = self.config.session_ttl
         # A patched D (bpdkv node plugin) says how long its blocks live in relative seconds, which needs no clock sync.
@@ -120,6 +125,7 @@ class ReusePolicy:
             return
         key, entry, only_if_absent = target
         entry.expires_at = now + ttl
+        entry.generation = generation
         try:
             if await self.store.put(key, entry, ttl, only_if_absent):
                 self.metrics.stored.inc()
@@ -138,7 +144,7 @@ class ReusePolicy:
                 self._d_params_missing(member)
             return
         if reply.finish_reason in REUSABLE_FINISH and usable_d_params(reply.params):
-            await self.remember(ident, body, reply, member.name)
+            await self.remember(ident, body, reply, member.name, member.generation)
 
     async def note_released(self, member: Upstream, params: dict[str, Any] | None) -> None:
         """D (bpdkv plugin, hold budget) names held blocks it let go since its previous answer; whichever router

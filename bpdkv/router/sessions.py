@@ -173,6 +173,7 @@ class SessionEntry:
     decode: str = ""  # upstream name of the D holding the blocks
     stored_at: float = 0.0  # router wall clock
     reasoning: bool = False  # D's reply carried a reasoning trace (its KV holds it)
+    generation: str = ""  # D's generation when it stored them (a reloaded config may move D to another one)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

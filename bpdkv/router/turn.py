@@ -73,20 +73,23 @@ class Prefilled:
     params: dict[str, Any] | None
     member: Upstream
     fell_back: bool  # P failed with D's params and succeeded without them
+    other_generation: bool = False  # a stored location was found but not offered: its D's generation did not serve
 
 
 @dataclass(frozen=True)
 class DecodedWhole:
     answer: Answer
     member: Upstream
+    incarnation: int = 0  # the member's when D was sent the request (a reload may have moved it since)
 
 
 class DecodeStream:
     """D's stream, held open from its first body bytes (until then a failing D can be swapped for another) until
     the relay closes it: the lease on D ends with it."""
 
-    def __init__(self, member: Upstream, lease: Lease, stream: UpstreamStream) -> None:
+    def __init__(self, member: Upstream, lease: Lease, stream: UpstreamStream, incarnation: int = 0) -> None:
         self.member = member
+        self.incarnation = incarnation  # the member's when D was sent the request (a reload may have moved it since)
         self.lease = lease
         self.stream = stream
         self.first = stream.first
@@ -172,7 +175,29 @@ class PdTurn:
         headers: dict[str, str],
         salt: str | None = None,
     ) -> Prefilled | Passthrough | NoUpstream:
+        """P's part of the turn, in the generation the turn is settled in (generations.settle_turn); if that generation
+        has lost its last P, on the newest other one that serves (rescued: computed, nothing stored offered)."""
+        found = d_params is not None
         d_params, d_holder = generations.settle_turn(self.prefill_pool, self.decode_pool, d_params, d_holder, self.metrics)
+        got = await self.prefill_in_generation(route, body, d_params, d_holder, affinity, headers, salt)
+        if isinstance(got, NoUpstream) and generations.rescue(self.prefill_pool, self.decode_pool, self.metrics):
+            d_params = None
+            got = await self.prefill_in_generation(route, body, None, None, affinity, headers, salt)
+        if found and d_params is None and isinstance(got, Prefilled):
+            self.metrics.miss(contracts.MissCause.OTHER_GENERATION)
+            got = Prefilled(got.params, got.member, got.fell_back, other_generation=True)
+        return got
+
+    async def prefill_in_generation(
+        self,
+        route: str,
+        body: dict[str, Any],
+        d_params: dict[str, Any] | None,
+        d_holder: str | None,
+        affinity: bytes | None,
+        headers: dict[str, str],
+        salt: str | None = None,
+    ) -> Prefilled | Passthrough | NoUpstream:
         last = "no prefill upstream available"
         fell_back = False
         offered = d_params is not None
@@ -216,8 +241,33 @@ class PdTurn:
     async def decode(
         self, route: str, body: dict[str, Any], p_params: dict[str, Any] | None, headers: dict[str, str], stream: bool, hold: bool = True
     ) -> DecodedWhole | DecodeStream | Passthrough | NoUpstream:
+        now = self.decode_pool.clock()
+        if generations.stranded(self.decode_pool.members, now) and generations.rescuable(self.prefill_pool, self.decode_pool, now):
+            # Every D of the turn's generation went (drained, ejected, unhealthy) while P computed, and another
+            # generation serves: rescue there rather than try an ejected D (the pool's last resort when none serves).
+            return NoUpstream(f"no decode upstream available in generation {generations.scope()}")
         payload = jsonbytes.dumps(decode_body(body, p_params, hold))
         return await self._decode_on(route, payload, headers, stream, self.attempts(self.decode_pool, None))
+
+    async def rescue_decode(
+        self,
+        route: str,
+        body: dict[str, Any],
+        affinity: bytes | None,
+        headers: dict[str, str],
+        stream: bool,
+        hold: bool = True,
+        salt: str | None = None,
+    ) -> DecodedWhole | DecodeStream | Passthrough | NoUpstream | None:
+        """The D phase found no usable D in the turn's generation (nothing sent to the client yet): the turn again from
+        its prompt on the newest other generation that serves, its P then its D — P's answer of the first generation is
+        never given to a D of another. None: no other generation serves (the turn ends as before)."""
+        if generations.rescue(self.prefill_pool, self.decode_pool, self.metrics) is None:
+            return None
+        again = await self.prefill_in_generation(route, body, None, None, affinity, headers, salt)
+        if not isinstance(again, Prefilled):
+            return again
+        return await self.decode(route, body, again.params, headers, stream, hold)
 
     async def decode_local(
         self, route: str, body: dict[str, Any], member: Upstream, params: dict[str, Any], headers: dict[str, str], stream: bool, tokens: int
@@ -239,6 +289,7 @@ class PdTurn:
         hdrs = dict(headers, **{"content-type": "application/json"})
         for member in members:
             t0 = time.perf_counter()
+            incarnation = member.incarnation
             lease = member.lease()
             try:
                 if stream:
@@ -264,8 +315,8 @@ class PdTurn:
                     continue
                 self.decode_pool.success(member)
                 self.metrics.child(self.metrics.upstream, "decode").observe(time.perf_counter() - t0)
-                return DecodedWhole(got, member) if got.status == 200 else Passthrough(got)
+                return DecodedWhole(got, member, incarnation) if got.status == 200 else Passthrough(got)
             self.decode_pool.success(member)
             self.metrics.child(self.metrics.upstream, "decode").observe(time.perf_counter() - t0)
-            return DecodeStream(member, lease, got)
+            return DecodeStream(member, lease, got, incarnation)
         return NoUpstream(f"no decode upstream succeeded ({last})")

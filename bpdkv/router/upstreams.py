@@ -69,6 +69,7 @@ class Upstream:
     identity_verified: bool = False  # the engine answered as its generation says since it last went down
     identity_problem: str | None = None  # what it reported instead
     checks_since_identity: int = 0
+    incarnation: int = 0  # +1 each time a reloaded config moves it (another url or generation): another engine since
 
     def fresh_load(self, now: float) -> EngineLoad | None:
         load = self.engine_load
@@ -106,7 +107,7 @@ class Upstream:
         """The admin API's view of this upstream."""
         view: dict[str, object] = {"name": self.name, "role": self.role, "url": self.url, "state": self.state(now).value}
         view["in_flight"] = self.outstanding
-        if self.generation:
+        if self.generation:  # a config that lists generations (every member has one then)
             view["generation"] = self.generation
         if self.identity_problem:
             view["problem"] = self.identity_problem
@@ -114,6 +115,19 @@ class Upstream:
 
     def lease(self) -> Lease:
         return Lease(self)
+
+    def moved(self, url: str, generation: str, rank: int, expect: GenerationSpec | None, at: float) -> None:
+        """A reloaded config gives this member another url or generation: it is another engine from now on, as after a
+        restart. Blocks stored before `at` are never offered (nor any of another generation: reuse.py), its engine is
+        learnt again, and it is used only once a check found it healthy and of its generation. Its drain (an operator's)
+        and its requests in flight (leases on this object) stay."""
+        self.url, self.generation, self.generation_rank, self.expect = url, generation, rank, expect
+        self.incarnation += 1
+        self.restarted_at = max(self.restarted_at, at)
+        self.engine_id, self.engine_seen_at, self.suspect_engine, self.engine_load = None, 0.0, None, None
+        self.identity_verified, self.identity_problem, self.checks_since_identity = False, None, 0
+        self.healthy, self.went_down, self.slow_checks, self.last_error = False, False, 0, ""
+        self.failures, self.ejected_until, self.ejections = 0, 0.0, 0
 
     def observe_engine(self, engine: str, at: float, fresh: bool) -> None:
         """D told us (fresh: in its own answer; else: through an entry another router worker stored) which engine
@@ -209,6 +223,45 @@ class Pool:
             return preferred
         return least
 
+    def reconcile(self, specs: tuple[UpstreamSpec, ...], known: tuple[GenerationSpec, ...], at: float) -> list[Upstream]:
+        """This pool's members as a reloaded config lists them (router/reload.py); returns those to check before use.
+
+        A member whose name, url and generation are unchanged keeps all its state (health, drain, requests in flight,
+        engine). One whose url or generation changed is updated in place as restarted (`Upstream.moved`). A new one
+        starts unchecked, as restarted at `at` (entries stored under its name before, by an earlier member of that
+        name, are never offered). A removed one gets no new requests; those in flight on it finish (their leases hold
+        the object)."""
+        listed = build_members(specs, self.role, known)
+        members: list[Upstream] = []
+        check: list[Upstream] = []
+        for new in listed:
+            old = self._by_name.get(new.name)
+            if old is None:
+                new.healthy, new.restarted_at = False, at
+                log.info("%s %s added (%s, generation %r): used once checked", self.role, new.name, new.url, new.generation)
+                members.append(new)
+                check.append(new)
+                continue
+            if (old.url, old.generation) != (new.url, new.generation):
+                log.info(
+                    "%s %s moved to %s, generation %r (was %s, %r): a restarted member, used once checked",
+                    self.role, old.name, new.url, new.generation, old.url, old.generation,
+                )  # fmt: skip
+                old.moved(new.url, new.generation, new.generation_rank, new.expect, at)
+                check.append(old)
+            else:
+                old.generation_rank = new.generation_rank
+                if old.expect != new.expect:  # its generation now says another release or model: read the engine again
+                    old.expect, old.identity_verified, old.identity_problem = new.expect, False, None
+                    check.append(old)
+            members.append(old)
+        for gone in self.members:
+            if gone.name not in {m.name for m in listed}:
+                log.info("%s %s removed from the config: no new requests (%d in flight finish)", self.role, gone.name, gone.outstanding)
+        self.members[:] = members
+        self._by_name = {m.name: m for m in members}
+        return check
+
     def success(self, member: Upstream) -> None:
         member.failures = 0
 
@@ -281,10 +334,20 @@ async def _read_json(client: UpstreamClient, url: str, timeout: float) -> object
         return None
 
 
-async def health_loop(pools: list[Pool], client: UpstreamClient, interval: float, timeout: float, stop: asyncio.Event) -> None:
-    """Active checks: GET /health on every member each interval, bounded by the stop event."""
+async def health_loop(
+    pools: list[Pool],
+    client: UpstreamClient,
+    interval: float,
+    timeout: float,
+    stop: asyncio.Event,
+    after: Callable[[], None] | None = None,
+) -> None:
+    """Active checks: GET /health on every member each interval, bounded by the stop event; `after` runs after each
+    pass (what is derived from health, such as the serving gauge, stays current without traffic)."""
     while not stop.is_set():
         await check_all(pools, client, timeout)
+        if after is not None:
+            after()
         try:
             await asyncio.wait_for(stop.wait(), interval)
         except asyncio.TimeoutError:

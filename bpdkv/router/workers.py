@@ -95,6 +95,7 @@ class WorkerSync:
         prefix = f"bpdkv:{{a:{run}}}:"
         self.state_key, self.version_key, self.workers_key = prefix + "state", prefix + "v", prefix + "workers"
         self.applied = 0
+        self._names = self._member_names()
         self._written: tuple[int, dict[str, int]] | None = None
         self._written_at = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -108,6 +109,9 @@ class WorkerSync:
 
     def members(self) -> list[Upstream]:
         return [m for pool in self.pools for m in pool.members]
+
+    def _member_names(self) -> frozenset[tuple[str, str]]:
+        return frozenset((m.name, m.url) for m in self.members())
 
     def _pool_of(self, member: Upstream) -> Pool:
         return next(p for p in self.pools if member in p.members)
@@ -140,11 +144,15 @@ class WorkerSync:
     async def sync(self) -> None:
         """Apply a newer admin state if there is one; write this worker's entry when it changed or is due."""
         version = int(await self.redis.execute("GET", self.version_key) or 0)
-        if version > self.applied:
+        names = self._member_names()
+        if version > self.applied or names != self._names:
+            # A reloaded config (router/reload.py) added or moved members: the shared drains apply to them too (a
+            # drain another worker took for a member this one did not have yet is in a state already applied).
+            fresh = {name for name, _ in names - self._names}
             raw = await self.redis.execute("HGETALL", self.state_key)
             states = {raw[i].decode(): json.loads(raw[i + 1]) for i in range(0, len(raw), 2)}
-            await self._apply(states)
-            self.applied = version
+            await self._apply(states if version > self.applied else {k: v for k, v in states.items() if k in fresh})
+            self.applied, self._names = max(self.applied, version), names
         await self._write()
 
     async def _apply(self, states: dict[str, dict[str, Any]]) -> None:
