@@ -173,6 +173,7 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         return [
             {"name": i.name, "url": f"http://{n.data_plane_address}:{i.port}", "generation": generation["id"]}
             for n, i in topology.instances(role)
+            if not n.spare  # a spare serves only during a roll, which writes it into the router's config itself
         ]
 
     return {

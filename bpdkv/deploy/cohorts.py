@@ -136,8 +136,9 @@ def _next_cohort(remaining: list[Slot], k: int, need_p: bool, need_d: bool) -> l
     cp = cd = 0
 
     def keeps_old(extra: Slot) -> bool:
+        """The old generation still serves after this node leaves — or, once the new one serves, is simply done."""
         left_p, left_d = total_p - cp - extra.prefill, total_d - cd - extra.decode
-        return (left_p > 0 and left_d > 0) or (left_p == 0 and left_d == 0)
+        return (left_p > 0 and left_d > 0) or (left_p == 0 and left_d == 0 and not (need_p or need_d))
 
     def fits(s: Slot) -> bool:
         p_ok = s.prefill == 0 or cp + s.prefill <= k or (need_p and cp == 0)

@@ -389,7 +389,10 @@ def make_plan(
             roll = None
         elif roll is None and router is not None:
             downtime = "the break cannot be rolled cohort by cohort (a P/D node never deployed, or more than one older generation): P and D restart together"
-    roll_step = {name: k for k, s in enumerate(roll.steps, 1) for name in s.step.nodes} if roll else {}
+    roll_step: dict[str, int] = {}  # node → the first cohort step it moves in (a spare: its surge, not its retire)
+    for k, step in enumerate(roll.steps if roll else (), 1):
+        for name in step.step.nodes:
+            roll_step.setdefault(name, k)
 
     instances = {i.name: (n, i) for n, i in topology.instances()}
     host_plans: list[HostPlan] = []
@@ -439,13 +442,24 @@ def make_plan(
             state = f.units.get(art.unit, "inactive")
             what = changed_by_instance.get(art.instance)
             new = any(c.path == art.path and c.action == "create" for c in changes)
-            if new:
+            if node.spare and inst.role in ("prefill", "decode") and roll is not None and node.name in roll_step:
+                verb = UnitVerb.RESTART if state == "active" else UnitVerb.START
+                reason = f"surge: the new generation on spare capacity, cohort step {roll_step[node.name]} of {len(roll.steps)}"
+            elif node.spare and inst.role in ("prefill", "decode"):
+                verb, reason = (
+                    (UnitVerb.STOP, "spare: runs only during a roll")
+                    if state == "active"
+                    else (UnitVerb.NONE, "spare: runs only during a roll")
+                )
+            elif new:
                 verb, reason = UnitVerb.START, "new instance"
             elif roll is not None and inst.role in ("prefill", "decode") and node.name in roll_step:
                 verb = UnitVerb.RESTART if state == "active" else UnitVerb.START
                 reason = f"compatibility break ({'; '.join(compat_changes)}): cohort step {roll_step[node.name]} of {len(roll.steps)}"
-            elif roll is not None and inst.role == "router" and set(what or ()) == {"router config"} and _reloadable(f, art):
+            elif roll is not None and inst.role == "router" and _router_rides_the_roll(f, mine, inst.name, what or [], topology):
                 verb, reason = UnitVerb.NONE, "re-reads its upstreams and generations (the roll writes them step by step)"
+                if "launch script" in (what or []):
+                    reason += "; its launch script changed only in the venv it runs from (the same bpdkv build): used at its next restart"
             elif compat_break and roll is None and inst.role in ("prefill", "decode"):
                 verb, reason = UnitVerb.RESTART, "compatibility break (" + "; ".join(compat_changes) + "): P and D restart together"
             elif what:
@@ -550,6 +564,26 @@ def _role_counts(node: Node) -> str:
 
 
 ROLL_KEYS = ("prefill", "decode", "generations")  # what the router re-reads without a restart
+
+
+def _router_rides_the_roll(facts: HostFacts, mine: list[Artifact], instance: str, what: list[str], topology: Topology) -> bool:
+    """A router whose files change in a roll only in what it re-reads (its upstreams and generations) and, where each
+    release has its own vllm.venv, in the venv path of its launch script: that venv gets the same bpdkv build, so the
+    running router needs no restart (a restart would cut its clients' requests)."""
+    kinds = set(what)
+    if not kinds <= {"router config", "launch script"}:
+        return False
+    for art in mine:
+        if art.instance != instance:
+            continue
+        if art.path.endswith(".router.yaml") and "router config" in kinds and not _reloadable(facts, art):
+            return False
+        if art.path.endswith(".sh") and "launch script" in kinds:
+            old_venv = ((facts.manifest or {}).get("packages") or {}).get("venv") if isinstance(facts.manifest, dict) else None
+            old = facts.content(art.path)
+            if not old_venv or old is None or old.replace(old_venv + "/", topology.vllm.venv + "/") != art.content:
+                return False
+    return True
 
 
 def _reloadable(facts: HostFacts, art: Artifact) -> bool:

@@ -178,6 +178,7 @@ class Node:
     instances: tuple[Instance, ...]
     path: PathKey
     gpu_memory_gib: float | None = None  # per GPU (hardware preset or node); None: capacity not checked
+    spare: bool = False  # surge capacity: runs only during a roll (bpdkv/deploy/cohorts.py)
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
                 instances=tuple(instances),
                 path=("nodes", ni),
                 gpu_memory_gib=float(n["gpu_memory_gib"]) if "gpu_memory_gib" in n else None,
+                spare=bool(n.get("spare", False)),
             )
         )
     return Topology(
