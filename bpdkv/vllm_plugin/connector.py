@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bpdkv import contracts
-from bpdkv.vllm_plugin import cost, decide, digests, fence, handshake, hold
+from bpdkv.vllm_plugin import cost, decide, digests, fence, handshake, hold, idle
 from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, log_notes, require_supported, skips_external_kv
 
 require_supported()
@@ -288,6 +288,10 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         self._ttl = float(extra.get(contracts.EXTRA_BLOCKS_TTL, contracts.DEFAULT_BLOCKS_TTL))
         self._block_size = int(vllm_config.cache_config.block_size)
         self._stats = BpdkvStats()
+        idle_wait = float(extra.get(idle.IDLE_WAIT_KEY, idle.IDLE_WAIT_S))
+        if idle_wait > 0:  # an engine that only holds KV for a reader waits for work instead of spinning (idle.py)
+            idle.IDLE_WAIT_S = idle_wait
+            idle.install()
         log_notes(vllm_config, log)  # compat: what this vLLM does that bpdkv does not cover
         worker = getattr(self, "connector_worker", None)
         if worker is not None and hasattr(worker, "xfer_stats"):
@@ -596,6 +600,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         """D, fence thread: the ledger decides under its lock. The lease P asked for, at most D's own."""
         granted = min(lease, self._pin_lease) if lease is not None else self._pin_lease
         answer = self._ledger.pin(remote_request_id, token, time.monotonic(), granted)
+        idle.wake()  # the ledger's next tick (and a read's bookkeeping) at the next step, not IDLE_WAIT_S away
         if isinstance(answer, hold.PinGrant):
             return granted
         return answer.value
@@ -605,6 +610,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         released = self._ledger.release_soon(remote_request_id, hold.ReleaseReason.DECLINED)
         if released:
             self._fence_releases += 1
+            idle.wake()  # free the hold at the next step
         return released
 
     def _fence_endpoint(self) -> str | None:

