@@ -36,7 +36,9 @@ log = logging.getLogger("bpdkv.router")
 WORKER_CONFIG_ENV = "BPDKV_ROUTER_WORKER_CONFIG"
 STOP_GRACE = 35.0  # uvicorn's graceful shutdown (30 s) plus a margin
 GC_YOUNG_THRESHOLD = 2_000
-HUP_IGNORED = "SIGHUP ignored: the router keeps serving with the config it started with (restart it to apply a new one)"
+HUP_IGNORED = (
+    "SIGHUP ignored: the router re-reads its upstreams and generations from its config file by itself (other settings need a restart)"
+)
 
 
 def _ignore_hup() -> None:
@@ -185,7 +187,8 @@ class WorkerApp:
                 await self.sync.changed(member)
                 (view,) = await self.sync.describe([member])
                 return 200, json.dumps(view).encode()
-            return 200, json.dumps({"upstreams": await self.sync.describe(members)}).encode()
+            # The worker's own answer (its loaded config's digest included), upstreams summed over every worker.
+            return 200, json.dumps(dict(json.loads(body), upstreams=await self.sync.describe(members))).encode()
         except SharedStateUnavailable as exc:
             err = {"error": {"message": str(exc), "type": "router_error", "code": 503}}
             return 503, json.dumps(err).encode()
