@@ -162,10 +162,14 @@ def _assume_needed_hardware(merged: Any, names: frozenset[str]) -> Any:
         return merged
     nodes = merged["nodes"]
     kv: dict[str, Any] = merged["kv_transfer"] if isinstance(merged.get("kv_transfer"), dict) else {}
-    efa_elsewhere = any(isinstance(n, dict) and n.get("name") not in names and _positive(n.get("efa_devices")) for n in nodes)
+
+    def placeholder(n: Any) -> bool:
+        return isinstance(n, dict) and isinstance(n.get("name"), str) and n["name"] in names
+
+    efa_elsewhere = any(isinstance(n, dict) and not placeholder(n) and _positive(n.get("efa_devices")) for n in nodes)
     if kv.get("backend", "LIBFABRIC" if efa_elsewhere else "UCX") != "LIBFABRIC":
         return merged
-    fixed = [dict(n, efa_devices=1) if isinstance(n, dict) and n.get("name") in names and "efa_devices" not in n else n for n in nodes]
+    fixed = [dict(n, efa_devices=1) if placeholder(n) and "efa_devices" not in n else n for n in nodes]
     return dict(merged, nodes=fixed)
 
 

@@ -7,13 +7,20 @@ must report each one as one line `file:line:col: path: message`, nothing else, e
 
 from __future__ import annotations
 
+import copy
 import re
+from typing import Any
 
 import pytest
+import yaml
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from bpdkv.cli import main
-from bpdkv.topology.validate import SKIPPED_ALL
+from bpdkv.errors import BpdkvError
+from bpdkv.topology.validate import SKIPPED_ALL, validate_document
+from bpdkv.topology.yaml_source import PathKey, parse_yaml
 from tests.conftest import DATA, ROOT
 
 PLANTED = sorted(p.name for p in (DATA / "bad").glob("planted-*.yaml"))
@@ -52,3 +59,34 @@ def test_every_planted_problem_in_one_run(name: str) -> None:
     missing = [(n, text) for n, text in planted(name) if not any(line == n and text in message for line, message in found)]
     assert not missing, f"planted but not reported: {missing}\n{result.output}"
     assert len(found) == len(planted(name)), f"reported but not planted:\n{result.output}"
+
+
+ODD = [None, -1, 0, 9, 70000, "", "Bad_Name", "a b", "p9.x", "tag:Name", "10.0.0.1", [], {}, [0, 0], {"a": 1}, True, 1.5]
+
+
+def _paths(value: Any, path: PathKey = ()) -> list[PathKey]:
+    out = [path] if path else []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    for key, child in items:
+        out += _paths(child, path + (key,))
+    return out
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_planted_fixtures_mutated_never_crash(data: st.DataObject) -> None:
+    """Setting aside parts must cope with whatever is left: odd values or keys removed anywhere, never a traceback."""
+    doc = yaml.safe_load((DATA / "bad" / data.draw(st.sampled_from(PLANTED))).read_text())
+    for _ in range(data.draw(st.integers(1, 4))):
+        path = data.draw(st.sampled_from(_paths(doc)))
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        if isinstance(parent, dict) and data.draw(st.booleans()):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = copy.deepcopy(data.draw(st.sampled_from(ODD)))
+    try:
+        validate_document(parse_yaml(yaml.safe_dump(doc), "mutated.yaml"))
+    except BpdkvError:
+        pass
