@@ -92,6 +92,14 @@ EXTRA_PULL_DECISION: Final = "bpdkv_pull_decision"  # bpdkv's (P): PULL_DECISION
 EXTRA_COST_SEED: Final = (
     "bpdkv_cost_seed"  # bpdkv's (P): its cost model's seed from `bpdkv calibrate` (topology kv_transfer.pull_cost_seed)
 )
+# The host-memory tier (topology kv_host_memory_gib): vLLM 0.34's own OffloadingConnector beside the NIXL connector in a
+# MultiConnector (vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py: kv_connector_extra_config
+# "connectors", a list of whole connector configs, loads from the first that matches tokens, saves to all).
+MULTI_CONNECTOR: Final = "MultiConnector"
+MULTI_CONNECTORS: Final = "connectors"
+OFFLOADING_CONNECTOR: Final = "OffloadingConnector"
+OFFLOAD_CPU_BYTES: Final = "cpu_bytes_to_use"  # vllm/v1/kv_offload/cpu/spec.py: the tier's bytes, all TP workers together
+OFFLOAD_PROMPT_ONLY: Final = "offload_prompt_only"  # vllm/v1/kv_offload/base.py: default true (answer blocks skipped)
 # Defaults: upstream's (NixlConnector) for its keys; the topology, the plugin and the emulator all read these.
 DEFAULT_LEASE_DURATION: Final = 30
 DEFAULT_BLOCKS_TTL: Final = 480

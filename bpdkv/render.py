@@ -83,7 +83,37 @@ def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> di
             extra[contracts.EXTRA_COST_SEED] = kv.pull_cost_seed
         if instance.role == "prefill" and kv.pull_decision is not None:  # unset: the plugin's own default
             extra[contracts.EXTRA_PULL_DECISION] = kv.pull_decision
+    if instance.kv_host_memory_gib:
+        return with_host_tier(config, instance)
     return config
+
+
+def with_host_tier(nixl: dict[str, Any], instance: Instance) -> dict[str, Any]:
+    """The NIXL connector's config and vLLM's own CPU offloading tier, composed the one way vLLM 0.34 supports: a
+    MultiConnector whose extra config lists whole child configs (docs/design.md, "The host-memory tier"). The NIXL
+    connector comes first: MultiConnector loads a request from the first child that reports matched tokens, so a
+    P/D pull (D reading P's blocks, P reading D's) is never shadowed by a partial host-tier hit; the tier serves what
+    NIXL does not (a continued turn on D, P's own evicted prefix). Both children save."""
+    offload = {
+        contracts.OFFLOAD_CPU_BYTES: int(instance.kv_host_memory_gib * (1 << 30)) if instance.kv_host_memory_gib else 0,
+    }
+    if instance.role == "decode":
+        # D holds prompt + answer; P never has the answer's KV, so D's tier keeps it too (upstream default: prompt only).
+        offload[contracts.OFFLOAD_PROMPT_ONLY] = False
+    return {
+        "kv_connector": contracts.MULTI_CONNECTOR,
+        "kv_role": nixl["kv_role"],  # required at the top level; MultiConnector's roles are its children's
+        "kv_buffer_device": nixl["kv_buffer_device"],
+        "kv_load_failure_policy": nixl["kv_load_failure_policy"],  # the scheduler reads the top level's
+        "kv_connector_extra_config": {
+            contracts.MULTI_CONNECTORS: [
+                nixl,
+                # kv_both, as vLLM's own --kv-offloading-size sets it: the tier loads (so a freed block's reuse is
+                # deferred under async scheduling) and stores (partial tails finalised).
+                {"kv_connector": contracts.OFFLOADING_CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": offload},
+            ]
+        },
+    }
 
 
 # `vllm serve` through its module: a venv layered on a base_venv has no `vllm` script of its own. `python -m

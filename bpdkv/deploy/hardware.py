@@ -21,6 +21,7 @@ from typing import Any
 
 from bpdkv.deploy.facts import Fact, PreflightProblem
 from bpdkv.render import Artifact
+from bpdkv.topology.capacity import host_tier_gib, host_tier_problems
 from bpdkv.topology.model import Node, Topology
 
 MIN_LIBFABRIC = (1, 21, 0)  # NIXL libfabric plugin README: "Minimum required version: v1.21.0"
@@ -227,7 +228,21 @@ class KernelRdma(Fact[KernelReport]):
         return KernelReport(release, version, dma_buf, tuple(modules), known)
 
 
-HARDWARE_FACTS: tuple[Fact[Any], ...] = (NvidiaGpus(), RdmaDevices(), EfaProvider(), LibfabricVersion(), KernelRdma())
+# ---- host memory -----------------------------------------------------------------------------------------------
+
+
+class HostMemory(Fact[float | None]):
+    """The node's RAM in GiB (/proc/meminfo MemTotal, kB), for the host-memory KV tiers; None when not readable."""
+
+    name = "host memory"
+    command = "grep -m1 '^MemTotal:' /proc/meminfo 2>/dev/null || echo 'bpdkv: /proc/meminfo not readable'"
+
+    def parse(self, stdout: str) -> float | None:
+        match = re.search(r"^MemTotal:\s+(\d+)\s+kB", stdout, re.MULTILINE)
+        return int(match.group(1)) / (1 << 20) if match else None
+
+
+HARDWARE_FACTS: tuple[Fact[Any], ...] = (NvidiaGpus(), RdmaDevices(), EfaProvider(), LibfabricVersion(), KernelRdma(), HostMemory())
 
 
 # ---- the check -------------------------------------------------------------------------------------------------
@@ -296,6 +311,11 @@ def check_hardware(topology: Topology, node: Node, facts: Mapping[str, Any]) -> 
                 + " and efa_nv_peermem is not loaded; NIXL's LIBFABRIC backend requires GPUDirect RDMA "
                 "(use a kernel >= 5.12 with the open NVIDIA modules, or load efa_nv_peermem)",
             )
+
+    ram = facts.get(HostMemory.name)
+    if isinstance(ram, float) and host_tier_gib(node) > 0:
+        for _, message in host_tier_problems(node, ram, "MemTotal"):
+            problem("host memory", message)
     return problems
 
 

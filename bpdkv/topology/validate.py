@@ -16,7 +16,7 @@ from bpdkv.topology.profiles import find_profile, list_profiles, load_profile, s
 from bpdkv.topology.yaml_source import LoadedDocument, PathKey, Position, SourceMap, format_path, load_yaml_file
 
 # Keys a hardware preset may fill on a node; everything else in the preset is documentation.
-HARDWARE_NODE_KEYS = ("accelerator", "gpus", "gpu_model", "gpu_memory_gib", "efa_devices", "env")
+HARDWARE_NODE_KEYS = ("accelerator", "gpus", "gpu_model", "gpu_memory_gib", "host_memory_gib", "efa_devices", "env")
 
 
 @dataclass(frozen=True)

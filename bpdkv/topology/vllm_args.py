@@ -40,6 +40,9 @@ OWNED: dict[str, str] = {
     "max_model_len": "model.max_model_len",
     "tokenizer": "model.tokenizer",
     "kv_transfer_config": "kv_transfer",
+    # vLLM's own flags would replace the NIXL connector with an offloading one; bpdkv renders the tier beside it.
+    "kv_offloading_size": "kv_host_memory_gib",
+    "kv_offloading_backend": "kv_host_memory_gib",
 }
 # Arguments bpdkv does not render but cannot allow either, with the reason.
 REFUSED: dict[str, str] = {
