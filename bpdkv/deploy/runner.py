@@ -30,13 +30,16 @@ from bpdkv.deploy.facts import MANIFEST_PATH, NODE_WHEELHOUSE, HostFacts
 from bpdkv.deploy.operations import TMP_SUFFIX
 from bpdkv.deploy.planner import HostPlan, Plan, manifest_for
 from bpdkv.errors import BpdkvError
-from bpdkv.render import Artifact
+from bpdkv.render import STOP_TIMEOUT, Artifact
 from bpdkv.topology.model import Topology
 
 log = logging.getLogger("bpdkv.deploy")
 
 INSTALL_TIMEOUT = 3600.0  # seconds for one node's pip install: vLLM + torch from a wheelhouse take minutes
 DRAIN_TIMEOUT = 120.0
+# A restart waits for the stop (systemd's TimeoutStopSec, then SIGKILL) before it starts: more than the connector's
+# default command timeout may pass on a loaded node (a rollback then failed with "exited -1" and left the host dirty).
+UNIT_COMMAND_TIMEOUT = STOP_TIMEOUT + 60.0
 T = TypeVar("T")
 
 
@@ -286,7 +289,7 @@ class Runner:
     def stop_removed(self, hp: HostPlan) -> None:
         for op in hp.operations:
             if isinstance(op, ops.StopUnit):
-                run_step(self.conns[hp.host], op.command(), f"systemctl stop {op.unit}")
+                run_step(self.conns[hp.host], op.command(), f"systemctl stop {op.unit}", UNIT_COMMAND_TIMEOUT)
                 self.progress(hp.host, f"stopped {op.unit}")
 
     def stage(self, hp: HostPlan) -> None:
@@ -399,7 +402,7 @@ class Runner:
                 self.progress(hp.host, f"drained {op.instance}")
             elif isinstance(op, ops.StartUnit):
                 self.started.setdefault(hp.host, []).append(op)
-                result = self.conns[hp.host].run(op.command())
+                result = self.conns[hp.host].run(op.command(), UNIT_COMMAND_TIMEOUT)
                 if result.exited != 0:
                     return f"{op.unit}: systemctl {'restart' if op.restart else 'start'} exited {result.exited}: {(result.stderr or result.stdout).strip()[-300:]}"
                 self.progress(hp.host, f"{'restarted' if op.restart else 'started'} {op.unit}; waiting for health")
@@ -494,7 +497,7 @@ class Runner:
             run_step(conn, ops.DaemonReload().command(), "systemctl daemon-reload")
         elif isinstance(op, ops.StartUnit) and op.undo in (ops.Undo.STOP_UNIT, ops.Undo.RESTART_PREVIOUS):
             what = f"systemctl stop {op.unit}" if op.undo is ops.Undo.STOP_UNIT else f"systemctl restart {op.unit} (previous files)"
-            run_step(conn, op.undo_command(), what)
+            run_step(conn, op.undo_command(), what, UNIT_COMMAND_TIMEOUT)
         elif isinstance(op, ops.Drain) and op.undo is ops.Undo.UNDRAIN:
             try:
                 self.admin(op, "undrain")
@@ -649,7 +652,7 @@ class Runner:
             for undrain in step.undrains:
                 self.admin(undrain, "undrain")
             for host, stop in step.stops:
-                run_step(self.conns[host], stop.command(), f"systemctl stop {stop.unit}")
+                run_step(self.conns[host], stop.command(), f"systemctl stop {stop.unit}", UNIT_COMMAND_TIMEOUT)
             failure = self.serving_gate(step.gate)
             if failure:
                 return None, failure
