@@ -67,6 +67,26 @@ LOCAL_CACHED_TOKENS: Final = "bpdkv_local_cached_tokens"
 # when this is > 0.
 PULLED_TOKENS: Final = "bpdkv_pulled_tokens"
 
+# Router → D, in D's request params (issue 40: holds ranked by predicted return). How soon this conversation is likely
+# to come back once this turn ends, for D to rank the hold the turn leaves: keep in HBM what returns soon, demote to
+# the host tier what returns later, drop first what may not return. The router cannot know how the turn ends before D
+# generates it, so the forecast is per way it can end (TurnEnding values as keys → {RETURN_P50, RETURN_P90} seconds
+# measured after such endings, or None while too few were seen) plus the router's guess (RETURN_LIKELY, RETURN_P_TOOL).
+RETURN_FORECAST: Final = "bpdkv_return_forecast"
+RETURN_P50: Final = "p50_s"
+RETURN_P90: Final = "p90_s"
+RETURN_SAMPLES: Final = "samples"  # the (decayed) number of returns the quantiles come from
+RETURN_LIKELY: Final = "likely"  # a TurnEnding value: how this turn most likely ends
+RETURN_P_TOOL: Final = "p_tool_calls"  # the router's probability that this turn ends in tool calls
+
+
+class TurnEnding(str, enum.Enum):
+    """How a turn ended, as the next request shows it: its last assistant message carries tool_calls (finish_reason
+    "tool_calls": an agent loop waiting on a tool, back in seconds) or not (a final answer: back when a person is)."""
+
+    TOOL_CALLS = "tool_calls"
+    FINAL = "final"
+
 
 def prefill_template() -> dict[str, Any]:
     """What the router sends P on a first turn: prefill for a remote decode, nothing to pull."""
@@ -118,6 +138,8 @@ DEFAULT_HOLD_BUDGET: Final = 0.5
 
 # ---- the router's reuse signals (bpdkv/router/metrics.py), read back by `bpdkv tune` (bpdkv/tune.py) ------------------
 TURN_GAP_METRIC: Final = "bpdkv_router_turn_gap_seconds"  # histogram: end of turn k's answer → arrival of turn k+1
+# The same gaps by how turn k ended (label `ending`: TurnEnding), for those that came back within the TTL (router/returns.py)
+RETURN_GAP_METRIC: Final = "bpdkv_router_return_gap_seconds"
 REUSE_MISSES_METRIC: Final = "bpdkv_router_reuse_misses"  # counter (Prometheus adds _total), label `cause`
 REUSE_OUTCOME_METRIC: Final = "bpdkv_router_reuse"  # counter, label `outcome` (hit, partial, miss, ...)
 # Seconds to 1 h: think time of chat users (tens of s) to agent loops paused on a tool or a human (tens of min).

@@ -35,6 +35,7 @@ from bpdkv.router.metrics import RouterMetrics
 from bpdkv.router.paths import PathDecision, PathReason, TurnPath
 from bpdkv.router.relay import RelayOutcome, Reply, SseRelay
 from bpdkv.router.reload import ConfigWatch, Loaded
+from bpdkv.router.returns import ReturnModel, stamp
 from bpdkv.router.reuse import ReusePolicy
 from bpdkv.router.sessions import Reuse
 from bpdkv.router.turn import (
@@ -153,6 +154,7 @@ class Router:
         self._gauge_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self.reuse = ReusePolicy(config, self.store, self.decode, self.metrics, clock)
+        self.returns = ReturnModel(self.metrics, clock)  # how soon a conversation comes back: sent to D (returns.py)
         # The config file, watched: upstreams and generations apply without a restart (reload.py).
         self.watch = ConfigWatch(config, self.apply_upstreams, clock) if config.config_file else None
         self._unwatched = Loaded(None, clock())
@@ -442,13 +444,15 @@ class Router:
         if last_turn:
             self.metrics.last_turns.inc()  # the client says no turn follows: nothing to store, nothing for D to hold
         hold = self.config.reuse and ident is not None and not last_turn  # else D need not keep this turn's blocks
+        forecast = self.returns.turn(body, entry, hold)
         local_allowed = request.headers.get(contracts.PATHS_HEADER, "").lower() != contracts.PATHS_PULL_ONLY  # benchmark A/B
         decision = self.reuse.choose_path(ident, entry, body, outcome, local_allowed)
         if entry is not None and decision.path is TurnPath.DECODE_LOCAL:
             holder = self.decode.member(entry.decode)
             assert holder is not None  # the lookup took the entry only for a known, available D
             tokens = decision.new_tokens or 0
-            local = await self.turn.decode_local(route, body, holder, local_params(entry.params, hold), headers, stream, tokens)
+            params = stamp(local_params(entry.params, hold), forecast)
+            local = await self.turn.decode_local(route, body, holder, params, headers, stream, tokens)
             if not isinstance(local, NoUpstream):
                 self.metrics.child(self.metrics.paths, decision.path.value, decision.reason.value).inc()
                 self.metrics.child(self.metrics.reuse, outcome.value).inc()
@@ -475,7 +479,7 @@ class Router:
             return _passthrough(prefilled.answer)
         if last_turn:
             ident = None
-        decoded = await self.turn.decode(route, body, prefilled.params, headers, stream, hold)
+        decoded = await self.turn.decode(route, body, stamp(prefilled.params, forecast), headers, stream, hold)
         if isinstance(decoded, NoUpstream):
             # No D of the turn's generation could take it (drained, ejected or failed while P computed; nothing has
             # reached the client): the turn again on a generation that serves, from its prompt.

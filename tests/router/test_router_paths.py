@@ -153,7 +153,7 @@ def test_client_params_stay_stripped_on_a_local_turn(fleet_factory) -> None:  # 
     evil = {"kv_transfer_params": {"remote_engine_id": "attacker", "remote_block_ids": [[1]], "do_remote_decode": True}}
     chat(fleet.url, messages, **evil)
     sent = local_turns(fleet.decode[0])[-1][contracts.KV_TRANSFER_PARAMS]
-    assert set(sent) <= {contracts.LOCAL_TURN, contracts.RELEASE_REQUEST_IDS, contracts.HOLD}, sent
+    assert set(sent) <= {contracts.LOCAL_TURN, contracts.RELEASE_REQUEST_IDS, contracts.HOLD, contracts.RETURN_FORECAST}, sent
 
 
 def test_last_turn_on_d_holds_nothing(fleet_factory) -> None:  # type: ignore[no-untyped-def]
