@@ -32,6 +32,7 @@ log = logging.getLogger("vllm.bpdkv_plugin")
 
 IDLE_WAIT_KEY = "bpdkv_idle_wait"  # kv_connector_extra_config: seconds (0: upstream's loop, which spins while holding)
 IDLE_WAIT_S = 0.05  # longest wait between two steps of an engine that only holds KV (a TTL's resolution; stats delay)
+ENGINE_CLASSES = ("EngineCoreProc", "EngineCore")
 _state = threading.Lock()
 _queues: list[queue.Queue[Any]] = []  # the engine's input queue, once its loop ran a patched step (one per process)
 _woken = False
@@ -89,11 +90,15 @@ def install() -> bool:
         module = importlib.import_module("vllm.v1.engine.core")
     except Exception:  # noqa: BLE001 - a process without the engine
         return False
-    engine_cls = getattr(module, "EngineCore", None)
-    original = getattr(engine_cls, "_process_engine_step", None)
-    if engine_cls is None or not callable(original):
+    # The busy loop and its input queue belong to the engine's process class (vLLM 0.32: EngineCoreProc, which the
+    # data-parallel one extends), not to EngineCore itself.
+    engine_cls = next(
+        (c for c in (getattr(module, n, None) for n in ENGINE_CLASSES) if callable(getattr(c, "_process_engine_step", None))), None
+    )
+    if engine_cls is None:
         log.info("bpdkv: this vLLM's engine has no _process_engine_step; an engine holding KV steps as upstream's does")
         return False
+    original = engine_cls._process_engine_step
     if getattr(engine_cls, "_bpdkv_idle", False):
         return True
 

@@ -81,23 +81,28 @@ def test_wake_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_install_patches_the_engine_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
     core = types.ModuleType("vllm.v1.engine.core")
 
-    class EngineCore(FakeEngine):
+    class EngineCore:  # vLLM 0.32: the loop is the process class's, not EngineCore's
+        pass
+
+    class EngineCoreProc(EngineCore, FakeEngine):
         pass
 
     core.EngineCore = EngineCore  # type: ignore[attr-defined]
+    core.EngineCoreProc = EngineCoreProc  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.core", core)
     monkeypatch.setattr(idle, "_queues", [])
     monkeypatch.setattr(idle, "IDLE_WAIT_S", 60.0)
     assert idle.install() is True
-    patched = EngineCore._process_engine_step
-    assert idle.install() is True and EngineCore._process_engine_step is patched  # idempotent
+    patched = EngineCoreProc._process_engine_step
+    assert patched is not FakeEngine._process_engine_step
+    assert idle.install() is True and EngineCoreProc._process_engine_step is patched  # idempotent
 
-    holding = EngineCore(FakeScheduler(held=1))
+    holding = EngineCoreProc(FakeScheduler(held=1))
     threading.Timer(0.05, holding.input_queue.put, args=("request",)).start()
     assert holding._process_engine_step() is False  # waited for the request (not 60 s), then returned the step's result
     assert holding.steps == 1 and idle._queues == [holding.input_queue]
 
-    busy = EngineCore(FakeScheduler(unfinished=1))
+    busy = EngineCoreProc(FakeScheduler(unfinished=1))
     busy.executed = True
     assert busy._process_engine_step() is True  # a step that ran the model never waits
 
