@@ -30,6 +30,7 @@ from typing import Any
 from bpdkv import contracts
 from bpdkv.contracts import MissCause
 from bpdkv.errors import BpdkvError
+from bpdkv.topology.capacity import HOST_TIER_MAX_SHARE, instance_capacity
 
 # Below these, a setting gets "too little data" instead of a recommendation.
 MIN_GAPS = 30  # turn gaps in the window (the TTL)
@@ -87,6 +88,11 @@ class Current:
     local_max_tokens: int
     prefill: int
     decode: int
+    # The host-memory tier (kv_host_memory_gib): one D engine's HBM KV cache in GiB (capacity model; None: sizes unknown),
+    # its host tier now, and its node's RAM (None: not in the topology).
+    d_kv_gib: float | None = None
+    host_tier_gib: float = 0.0
+    host_ram_gib: float | None = None
 
 
 @dataclass(frozen=True)
@@ -397,8 +403,65 @@ def recommend_margin(s: Signals, c: Current) -> Recommendation:
     return Recommendation(name, c.ttl_margin_s, c.ttl_margin_s, evidence)
 
 
+HOST_TIER_STEP_GIB = 8  # recommended host tiers are rounded up to this
+HOST_TIER_HEADROOM = 1.25  # the tier holds this much more than the mean excess: holds come in bursts
+
+
+def recommend_host_tier(s: Signals, c: Current) -> Recommendation:
+    """D's host-memory tier (kv_host_memory_gib) from the same signals as the TTL: the holds the turn gaps ask for
+    beyond what D's hold budget keeps in HBM, in GiB of D's KV cache, with headroom — and the hit rate of returning
+    turns predicted with the tier (the TTL the gaps ask for, every hold kept: in HBM or in host memory) against HBM only
+    (the TTL capped by the budget). A reload from host memory is counted as a hit: it costs PCIe time, not a prefill."""
+    name = "kv_host_memory_gib"
+    n = total(s.gaps)
+    if n < MIN_GAPS:
+        return Recommendation(name, c.host_tier_gib, None, f"too little data: {_n(n)} turn gaps (need {MIN_GAPS})")
+    p = quantile(s.gaps, TTL_QUANTILE)
+    budget = hold_budget_share(s, c)
+    if p is None or budget is None:
+        why = "the gaps' p90 is beyond the histogram's last bucket" if p is None else "no hold gauges from D"
+        return Recommendation(name, c.host_tier_gib, None, f"{why}: what D holds cannot be predicted")
+    wanted = int(math.ceil((p + c.ttl_margin_s) / TTL_STEP) * TTL_STEP)
+    want = predict_ttl(s, c, wanted)
+    if want.held_share is None or want.held_share <= budget + 1e-9:
+        evidence = (
+            f"the turn gaps' TTL ({wanted} s) holds {_pct(want.held_share or 0.0)} of D's cache, within its hold budget {_pct(budget)}"
+        )
+        return Recommendation(name, c.host_tier_gib, c.host_tier_gib, evidence + ": HBM holds it all")
+    excess = want.held_share - budget
+    hbm = ttl_within_budget(s, c, wanted, budget)
+    hbm_rate = hbm.hit_rate if hbm is not None else 0.0
+    predicted: dict[str, float] = {
+        "hit_rate_hbm_only": round(hbm_rate, 3),
+        "hit_rate_with_tier": round(want.hit_rate, 3),
+        "ttl_with_tier": wanted,
+        "excess_share_of_d_kv": round(excess, 3),
+    }
+    evidence = (
+        f"{wanted} s (p{TTL_QUANTILE * 100:.0f} of {_n(n)} turn gaps + margin) would hold {_pct(want.held_share)} of D's cache, "
+        f"{_pct(excess)} over its hold budget {_pct(budget)}"
+    )
+    effect = f"hit rate of returning turns {_pct(hbm_rate)} (HBM only) → {_pct(want.hit_rate)} (with the tier)"
+    if c.d_kv_gib is None:
+        return Recommendation(
+            name, c.host_tier_gib, None, evidence + "; D's KV cache size is unknown (model sizes or GPU memory)", effect, predicted
+        )
+    need = excess * c.d_kv_gib * HOST_TIER_HEADROOM
+    size = int(math.ceil(need / HOST_TIER_STEP_GIB) * HOST_TIER_STEP_GIB)
+    predicted.update(host_tier_needed_gib=round(need, 1), d_kv_gib=round(c.d_kv_gib, 1))
+    evidence += f" = {excess * c.d_kv_gib:.1f} GiB of D's {c.d_kv_gib:.0f} GiB KV cache (x{HOST_TIER_HEADROOM:g} headroom)"
+    if c.host_ram_gib is not None:
+        room = int(c.host_ram_gib * HOST_TIER_MAX_SHARE // HOST_TIER_STEP_GIB * HOST_TIER_STEP_GIB)
+        if size > room:
+            predicted["host_tier_room_gib"] = room
+            evidence += f"; capped at {room} GiB by the node's {c.host_ram_gib:g} GiB RAM ({_pct(HOST_TIER_MAX_SHARE)})"
+            size = room
+    effect += "; needs D's plugin to demote held blocks to the tier instead of releasing them"
+    return Recommendation(name, c.host_tier_gib, size, evidence, effect, predicted)
+
+
 def recommend(s: Signals, c: Current) -> list[Recommendation]:
-    steps = (recommend_ttl, recommend_margin, recommend_hold_budget, recommend_local_max_tokens, recommend_ratio)
+    steps = (recommend_ttl, recommend_margin, recommend_hold_budget, recommend_local_max_tokens, recommend_ratio, recommend_host_tier)
     return [f(s, c) for f in steps]
 
 
@@ -709,7 +772,12 @@ def current_of(topology: Any) -> Current:
     kv, router = topology.kv_transfer, topology.router
     budgets = [i.kv_hold_budget for _, i in topology.instances("decode") if i.kv_hold_budget is not None]
     paths = dict(router.paths)
+    decode = topology.instances("decode")
+    cap = instance_capacity(topology, *decode[0]) if decode else None
     return Current(
+        d_kv_gib=cap.kv_gib * cap.tp if cap is not None and cap.kv_gib > 0 else None,
+        host_tier_gib=float(decode[0][1].kv_host_memory_gib or 0.0) if decode else 0.0,
+        host_ram_gib=decode[0][0].host_memory_gib if decode else None,
         ttl_s=int(kv.decoder_kv_blocks_ttl),
         ttl_margin_s=int(router.ttl_margin),
         hold_budget=float(budgets[0]) if budgets else contracts.DEFAULT_HOLD_BUDGET,
@@ -739,6 +807,9 @@ def override_yaml(result: TuneResult, source: str) -> str:
     ttl = next((r for r in result.recommendations if r.setting == "decoder_kv_blocks_ttl"), None)
     if ttl is not None and ttl.capped_by:
         lines += _capped_comment(ttl)
+    if "kv_host_memory_gib" in by:
+        r = by["kv_host_memory_gib"]
+        lines.append(f"# kv_host_memory_gib: {r.recommended} on each decode instance (nodes[].instances[]) — {r.evidence}")
     kv = [r for k, r in by.items() if k in ("decoder_kv_blocks_ttl", "kv_hold_budget")]
     if kv:
         lines.append("kv_transfer:")

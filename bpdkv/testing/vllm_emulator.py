@@ -77,6 +77,12 @@ class EmulatorSettings:
     # blocks (over it, the oldest holds go and D's answer names them, as the plugin's ledger and announcement do) and
     # /metrics carries the plugin's hold gauges. None: holds unbounded, no hold gauges.
     kv_hold_budget: float | None = None
+    # D: a host-memory tier (topology kv_host_memory_gib) of this many tokens; 0: none. With a hold budget, a hold over
+    # it is demoted there instead of released — still offerable, not announced — and announced released only when the
+    # tier, least recently demoted first, has no room for it. A pull of a demoted hold waits for D to reload it into HBM
+    # (host_reload_seconds_per_token: PCIe, far below a prefill's per-token time).
+    kv_host_tier_tokens: int = 0
+    host_reload_seconds_per_token: float = 0.0
     vllm_version: str = "0.32.0"  # GET /version; engines of different releases fail NIXL's handshake (no read)
     model_root: str | None = None  # GET /v1/models' root (vLLM: the --model argument); None: not reported
 
@@ -96,6 +102,7 @@ class VllmEmulator:
     running: int = 0  # requests being served now (in /metrics as running, or waiting beyond max_num_seqs)
     running_tokens: int = 0
     load_override: tuple[float, float, float] | None = None  # tests: (running, waiting, KV usage) /metrics reports
+    host_tier: dict[str, Held] = field(default_factory=dict)  # D's demoted holds, least recently demoted first
 
     def __post_init__(self) -> None:
         FABRIC[self.engine_id] = self
@@ -114,6 +121,7 @@ class VllmEmulator:
         """The engine is gone (its server was stopped): its held blocks can no longer be pulled, as after a restart."""
         FABRIC.pop(self.engine_id, None)
         self.held.clear()
+        self.host_tier.clear()
 
     def restart(self) -> None:
         """The engine restarted on the same address: a new engine id, nothing held, an empty prefix cache."""
@@ -221,10 +229,39 @@ class VllmEmulator:
             if self.held_blocks() <= budget:
                 break
             if rid != keep:
-                del self.held[rid]
                 released.append(rid)
+                if self.settings.kv_host_tier_tokens > 0:
+                    self.host_tier[rid] = self.held[rid]
+                del self.held[rid]
+        if self.settings.kv_host_tier_tokens > 0:
+            self.count("emulator_holds_demoted", len(released))
+            return self._fit_host_tier()
         self.count("emulator_holds_released_budget", len(released))
         return released
+
+    def _fit_host_tier(self) -> list[str]:
+        """Drop the least recently demoted holds (and expired ones) until the tier's tokens fit: those are gone."""
+        now = time.perf_counter()
+        dropped = [rid for rid, h in self.host_tier.items() if h.expires_at <= now]
+        for rid in dropped:
+            del self.host_tier[rid]
+        while self.host_tier and sum(len(h.tokens) for h in self.host_tier.values()) > self.settings.kv_host_tier_tokens:
+            rid = next(iter(self.host_tier))
+            del self.host_tier[rid]
+            dropped.append(rid)
+        self.count("emulator_holds_released_budget", len(dropped))
+        return dropped
+
+    async def reload(self, request_id: str) -> Held | None:
+        """A demoted hold back into HBM for a reader (D's reload over PCIe), or None when the tier has none."""
+        held = self.host_tier.pop(request_id, None)
+        if held is None or held.expires_at <= time.perf_counter():
+            return None
+        self.count("emulator_host_reloads")
+        self.count("emulator_host_reload_tokens", len(held.tokens))
+        await asyncio.sleep(self.settings.host_reload_seconds_per_token * len(held.tokens))
+        self.held[request_id] = held
+        return held
 
     def load(self) -> tuple[float, float, float]:
         """(running, waiting, KV cache usage) as vLLM's /metrics gauges say them."""
@@ -359,6 +396,7 @@ class VllmEmulator:
             self.count("emulator_local_turns")
             for rid in params.get(contracts.RELEASE_REQUEST_IDS) or ():
                 self.held.pop(str(rid), None)
+                self.host_tier.pop(str(rid), None)
         elif isinstance(params, dict) and params.get(contracts.DO_REMOTE_PREFILL) and role in ("decode", "both"):
             prefill = FABRIC.get(str(params.get(contracts.REMOTE_ENGINE_ID)))
             held = (
@@ -499,6 +537,8 @@ class VllmEmulator:
         if self._other_release(decode):
             return vllm_error(500, "NIXL handshake failed: incompatible remote engine", None, "InternalServerError")
         held = decode.held.get(str(params.get(contracts.REMOTE_REQUEST_ID))) if decode else None
+        if held is None and decode is not None and decode.host_tier:  # demoted: D reloads it before the read
+            held = await decode.reload(str(params.get(contracts.REMOTE_REQUEST_ID)))
         now = time.perf_counter()
         if plugin and params.get(contracts.FENCE) and (held is None or held.expires_at - now < DECLINE_WITHIN):
             # The connector pins D's hold before reading (the read fence): a D that is gone leaves the pin
