@@ -180,6 +180,23 @@ def _shares_a_gpu(node: Node, instance: Instance) -> bool:
     return any(other is not instance and other.role != "router" and mine & set(other.gpus) for other in node.instances)
 
 
+def gpu_predecessors(node: Node, instance: Instance) -> list[Instance]:
+    """The engines of this node listed before `instance` that share one of its GPUs: it starts after them.
+
+    Two engines on one GPU must not size their KV caches at the same moment. vLLM 0.34 (v1/worker/gpu_worker.py) takes
+    a device-wide memory snapshot when a worker starts (request_memory checks free >= gpu_memory_utilization × total
+    against it) and sizes the KV cache as requested − the memory consumed *on the device* while it profiles
+    (determine_available_memory: "we assume that the other processes using the same GPU did not change their memory
+    usage during the profiling"). Both units are enabled, so at boot systemd starts them together and each counts the
+    other's weights and cache as its own (a smaller cache, or "No available memory for the cache blocks"). Started one
+    after the other, each sees the earlier one's memory as already used and sizes its own share correctly."""
+    if not _shares_a_gpu(node, instance):
+        return []
+    mine = set(instance.gpus)
+    earlier = node.instances[: node.instances.index(instance)]
+    return [o for o in earlier if o.role != "router" and mine & set(o.gpus)]
+
+
 def vllm_env(topology: Topology, instance: Instance, node: Node) -> list[tuple[str, str]]:
     env: dict[str, str] = {}
     if node.accelerator == "gpu":
@@ -316,7 +333,18 @@ def render_topology(topology: Topology) -> list[Artifact]:
             else:
                 argv = vllm_argv(topology, inst, node)
                 env_items = vllm_env(topology, inst, node)
-                script = render("launch.sh.j2", node=node, instance=inst, argv_lines=argv_lines(argv), env_file=env_file)
+                # A shared GPU: wait until the engines before it serve (their memory is then allocated) before starting.
+                wait_for = [f"http://127.0.0.1:{o.port}/health" for o in gpu_predecessors(node, inst)]
+                script = render(
+                    "launch.sh.j2",
+                    node=node,
+                    instance=inst,
+                    argv_lines=argv_lines(argv),
+                    env_file=env_file,
+                    wait_for=wait_for,
+                    python=f"{topology.vllm.venv}/bin/python",
+                    wait_seconds=topology.vllm.start_timeout,
+                )
             env_mode, env_reader = secret_file_access(topology.vllm.user)  # the launch script sources it as the unit's user
             env_text = render("instance.env.j2", instance=inst, env=env_items)
             out.append(Artifact(node.name, env_file, env_mode, env_text, inst.name, secret=True, reader=env_reader))
@@ -330,6 +358,7 @@ def render_topology(topology: Topology) -> list[Artifact]:
                 work_dir=f"{STATE_DIR}/{inst.name}",
                 start_timeout=topology.vllm.start_timeout,
                 stop_timeout=STOP_TIMEOUT,
+                after=[o.unit for o in gpu_predecessors(node, inst)] if inst.role != "router" else [],
             )
             out.append(Artifact(node.name, f"{UNIT_DIR}/{inst.unit}", 0o644, unit, inst.name, unit=inst.unit))
     return out

@@ -103,3 +103,63 @@ def test_a_shared_gpu_needs_every_share_and_not_twice(tmp_path: Path) -> None:
             [{"role": "prefill", "gpus": [0], "gpu_memory_share": bad, "port": 8100}, {"role": "decode", "gpus": [0], "port": 8200}],
         )
         assert any("nodes[0].instances[0].gpu_memory_share" in x for x in lines(path))
+
+
+# ---- a simultaneous start (issue 41 item 5) -------------------------------------------------------------------------
+def test_engines_on_one_gpu_start_one_after_the_other(tmp_path: Path) -> None:
+    shared = files(write(tmp_path, [{"role": "prefill", "gpus": [0], "gpu_memory_share": 0.45, "port": 8100},
+                                    {"role": "decode", "gpus": [0], "gpu_memory_share": 0.45, "port": 8200}]))  # fmt: skip
+    assert "After=bpdkv-prefill-0.service" in shared["/etc/systemd/system/bpdkv-decode-0.service"]
+    assert "http://127.0.0.1:8100/health" in shared["/opt/bpdkv/bin/decode-0.sh"]
+    assert "After=bpdkv-" not in shared["/etc/systemd/system/bpdkv-prefill-0.service"]
+    assert "/health" not in shared["/opt/bpdkv/bin/prefill-0.sh"]
+    apart = files(write(tmp_path, [{"role": "prefill", "gpus": [0], "port": 8100}, {"role": "decode", "gpus": [1], "port": 8200}], gpus=2))
+    assert "After=bpdkv-" not in apart["/etc/systemd/system/bpdkv-decode-0.service"]
+    assert "/health" not in apart["/opt/bpdkv/bin/decode-0.sh"]
+
+
+def test_the_later_engine_execs_only_once_the_earlier_one_serves(tmp_path: Path) -> None:
+    """Both units started at the same moment (as systemd does at boot): the rendered launch script of the engine listed
+    second runs, for real, and reaches its exec only after the first one answers /health."""
+    import http.server
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rendered = files(write(tmp_path, [{"role": "prefill", "gpus": [0], "gpu_memory_share": 0.45, "port": port},
+                                      {"role": "decode", "gpus": [0], "gpu_memory_share": 0.45, "port": 8200}]))  # fmt: skip
+    script = rendered["/opt/bpdkv/bin/decode-0.sh"]
+    env = tmp_path / "decode-0.env"
+    env.write_text("")
+    marker = tmp_path / "started"
+    script = script.replace("/etc/bpdkv/decode-0.env", str(env)).replace("/opt/bpdkv/venv/bin/python", sys.executable)
+    script = script[: script.index("exec ")] + f"exec touch {marker}\n"
+    path = tmp_path / "decode-0.sh"
+    path.write_text(script)
+    proc = subprocess.Popen(["sh", str(path)])
+    server = None
+    try:
+        time.sleep(4)  # P is not serving yet: D waits, whatever the machine's load
+        assert proc.poll() is None and not marker.exists()
+
+        class Health(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self.send_response(200 if self.path == "/health" else 404)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = http.server.HTTPServer(("127.0.0.1", port), Health)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        assert proc.wait(timeout=60) == 0 and marker.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if server is not None:
+            server.shutdown()

@@ -4,6 +4,19 @@ set -eu
 set -a
 . /etc/bpdkv/decode-0.env
 set +a
+# Shares a GPU with an engine started before it (at boot systemd starts both at once): wait until that engine serves,
+# its weights and KV cache allocated, so that this one's memory profile does not count them (bpdkv/render.py).
+for url in http://127.0.0.1:8100/health; do
+  waited=0
+  until /opt/bpdkv/venv/bin/python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$url" 2>/dev/null; do
+    waited=$((waited + 2))
+    if [ "$waited" -ge 1800 ]; then
+      echo "decode-0: $url not serving after 1800 s; exiting (systemd restarts this unit)" >&2
+      exit 1
+    fi
+    sleep 2
+  done
+done
 exec /opt/bpdkv/venv/bin/python -m vllm.entrypoints.cli.main serve Qwen/Qwen3-8B \
   --served-model-name qwen3-8b \
   --host 0.0.0.0 \
