@@ -238,10 +238,11 @@ def install_command(topology: Topology, node: Node, bpdkv_wheel: str, offline: b
         base_py = shlex.quote(b.base_venv + "/bin/python")
         # The venv's interpreter is the base's, so its compiled packages match; a .pth file makes them importable.
         lines.append(f"[ -x {venv}/bin/python ] || {{ {base_py} -m venv {venv} && touch {venv}/{CREATED_MARKER}; }}")
+        # No temporary file: a node's /tmp may be shared (containers, the lab's test hosts) and $$ repeats across PID
+        # namespaces, so two nodes installing at once overwrote each other's (the second venv then imported no vLLM).
         lines.append(
-            f"{venv}/bin/python -c 'import sysconfig,sys;print(sysconfig.get_paths()[\"purelib\"])' > /tmp/.bpdkv-site.$$ "
-            f'&& {base_py} -c \'import sysconfig;print(sysconfig.get_paths()["purelib"])\' > "$(cat /tmp/.bpdkv-site.$$)/{BASE_PTH}" '
-            "&& rm -f /tmp/.bpdkv-site.$$"
+            f'site="$({venv}/bin/python -c \'import sysconfig;print(sysconfig.get_paths()["purelib"])\')" '
+            f'&& {base_py} -c \'import sysconfig;print(sysconfig.get_paths()["purelib"])\' > "$site/{BASE_PTH}"'
         )
     else:
         lines.append(f"[ -x {venv}/bin/python ] || {{ {shlex.quote(b.python)} -m venv {venv} && touch {venv}/{CREATED_MARKER}; }}")
