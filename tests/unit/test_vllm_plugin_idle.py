@@ -6,6 +6,7 @@ import queue
 import sys
 import threading
 import types
+from collections import deque
 from typing import Any
 
 import pytest
@@ -55,6 +56,19 @@ def test_holds_only(scheduler: FakeScheduler, running: bool, expected: bool) -> 
     engine = FakeEngine(scheduler)
     engine.engines_running = running
     assert idle.holds_only(engine) is expected
+
+
+def test_holds_only_with_async_scheduling() -> None:
+    """vLLM's batch queue (async scheduling) keeps the previous empty step in flight while the engine spins: empty
+    steps there do not count as work, a step that scheduled tokens does, an entry of another shape keeps the loop."""
+    engine = FakeEngine(FakeScheduler(held=1))
+    empty, busy = types.SimpleNamespace(total_num_scheduled_tokens=0), types.SimpleNamespace(total_num_scheduled_tokens=5)
+    engine.batch_queue = deque([(None, empty, None)])  # type: ignore[assignment]
+    assert idle.holds_only(engine) is True
+    engine.batch_queue = deque([(None, empty, None), (None, busy, None)])  # type: ignore[assignment]
+    assert idle.holds_only(engine) is False
+    engine.batch_queue = deque(["unknown"])  # type: ignore[assignment]
+    assert idle.holds_only(engine) is False
 
 
 def test_wait_returns_when_a_request_arrives_or_on_wake() -> None:
