@@ -115,8 +115,11 @@ def install() -> bool:
             inputs = getattr(self, "input_queue", None)
             if inputs is not None:
                 with _state:
-                    if not any(q is inputs for q in _queues):
+                    first = not any(q is inputs for q in _queues)
+                    if first:
                         _queues.append(inputs)
+                if first:  # once per engine: the evidence in its log that the wait engages
+                    log.info("bpdkv: engine only holds KV for a reader: waiting up to %.3f s between steps", IDLE_WAIT_S)
                 wait_for_input(inputs, IDLE_WAIT_S)
         return executed
 
