@@ -235,6 +235,8 @@ def diagnose_hold(seconds: float = 4.0) -> int:
         for server, (pid, tid, _) in watch("D holding, P idle:"):
             out = subprocess.run(["gdb", "-p", pid, "-batch", "-ex", "info threads"], capture_output=True, text=True, timeout=120)
             print(server.name, "busiest thread", tid, [line for line in out.stdout.splitlines() if f"LWP {tid}" in line], flush=True)
+            waits = [line for line in server.log.read_text(errors="replace").splitlines() if "only holds KV" in line]
+            print(server.name, "idle wait engaged:", waits[:1] or "no", flush=True)
     finally:
         p.stop()
         d.stop()
