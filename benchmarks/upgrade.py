@@ -215,10 +215,23 @@ def p99(values: list[float]) -> float:
 STEP_DONE = re.compile(r"cohort step (\d+)/(\d+) \((\w+): ([^)]*)\): done in ([\d.]+) s")
 
 
+# vLLM's NIXL handshake (nixl/base_worker.py) compares a compatibility hash that includes the release: a P and a D of
+# different releases that tried to pair would log one of these; a pair that matched logs "compatibility check passed".
+CROSS = re.compile(r"compatibility hash mismatch|Failed to decode NixlHandshakePayload|engine ID mismatch|handshake fail", re.IGNORECASE)
+PAIRED = re.compile(r"NIXL compatibility check passed \(hash: (\w+)\)")
+
+
 def cross_generation_lines(log_text: str) -> list[str]:
-    """Log lines of a NIXL read or handshake between engines of different releases (the handshake refuses them)."""
-    pattern = re.compile(r"compatib|handshake.*(fail|refus|mismatch)|version mismatch", re.IGNORECASE)
-    return [line for line in log_text.splitlines() if pattern.search(line)]
+    """Log lines of a NIXL handshake (and so a read) tried between engines of different releases."""
+    return [line for line in log_text.splitlines() if CROSS.search(line)]
+
+
+def handshakes_by_hash(log_text: str) -> dict[str, int]:
+    """Handshakes that passed, per compatibility hash (one hash per generation): each pair was of one release."""
+    out: dict[str, int] = {}
+    for m in PAIRED.finditer(log_text):
+        out[m.group(1)[:12]] = out.get(m.group(1)[:12], 0) + 1
+    return out
 
 
 def replay(records: list[TurnRecord], python: Path, log_dir: Path) -> list[str]:
@@ -294,6 +307,7 @@ def run(lab: Any, work: Path, broken_first: bool = True, settle_s: float = 20.0)
     logs = bpdkv("logs", str(new_topo), "-n", "20000")
     summary["cross_generation_reads"] = len(cross_generation_lines(logs.stdout))
     summary["cross_generation_lines"] = cross_generation_lines(logs.stdout)[:5]
+    summary["handshakes_by_compat_hash"] = handshakes_by_hash(logs.stdout)
     records = load.records
     errors = [r for r in records if r.error]
     summary["requests"] = len(records)

@@ -75,4 +75,5 @@ def test_roll_crosses_the_release_with_zero_client_errors(rolled: dict) -> None:
     assert rolled["requests"] >= 40 and rolled["requests_during_roll"] >= 10, (rolled["requests"], rolled["requests_during_roll"])
     assert rolled["client_errors"] == 0, rolled["errors"]
     assert rolled["cross_generation_reads"] == 0, rolled["cross_generation_lines"]
+    assert len(rolled["handshakes_by_compat_hash"]) >= 2, rolled["handshakes_by_compat_hash"]  # pairs in each generation
     assert rolled["answers_equal"], rolled["answers_unequal"]
