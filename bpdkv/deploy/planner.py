@@ -364,9 +364,14 @@ def make_plan(
     generation = generation_id(artifacts)
     desired_compat = compat_fingerprint(topology)
     selected = {n.name for n in topology.nodes if _selected(n, limit)}
-    # Compatibility break: any host's last manifest disagrees with what we are about to deploy.
+    # Compatibility break: a P/D host's last manifest disagrees with what we are about to deploy. (A router's manifest
+    # records the fleet's fingerprint too, but a router pairs nothing: after a roll stopped between its last cohort and
+    # the router's manifest, only the P/D hosts say whether P and D still need to move.)
+    engines = {n.name for n in topology.nodes if any(i.role in ("prefill", "decode") for i in n.instances)}
     compat_changes: list[str] = []
-    for known in facts.values():
+    for name, known in facts.items():
+        if name not in engines:
+            continue
         old = (known.manifest or {}).get("compat") if known.reachable else None
         if old:
             for key, value in desired_compat.items():
@@ -456,7 +461,11 @@ def make_plan(
             elif roll is not None and inst.role in ("prefill", "decode") and node.name in roll_step:
                 verb = UnitVerb.RESTART if state == "active" else UnitVerb.START
                 reason = f"compatibility break ({'; '.join(compat_changes)}): cohort step {roll_step[node.name]} of {len(roll.steps)}"
-            elif roll is not None and inst.role == "router" and _router_rides_the_roll(f, mine, inst.name, what or [], topology):
+            elif (
+                (roll is not None or _behind(f, desired_compat))
+                and inst.role == "router"
+                and _router_rides_the_roll(f, mine, inst.name, what or [], topology)
+            ):
                 verb, reason = UnitVerb.NONE, "re-reads its upstreams and generations (the roll writes them step by step)"
                 if "launch script" in (what or []):
                     reason += "; its launch script changed only in the venv it runs from (the same bpdkv build): used at its next restart"
@@ -564,6 +573,12 @@ def _role_counts(node: Node) -> str:
 
 
 ROLL_KEYS = ("prefill", "decode", "generations")  # what the router re-reads without a restart
+
+
+def _behind(facts: HostFacts, desired: dict[str, Any]) -> bool:
+    """The host's manifest records another compatibility fingerprint (a router whose roll stopped before its record)."""
+    manifest = facts.manifest if isinstance(facts.manifest, dict) else {}
+    return bool(manifest.get("compat")) and manifest.get("compat") != desired
 
 
 def _router_rides_the_roll(facts: HostFacts, mine: list[Artifact], instance: str, what: list[str], topology: Topology) -> bool:

@@ -157,3 +157,21 @@ def test_the_same_venv_for_both_releases_is_warned(tmp_path: Path) -> None:
     old, new = load(tmp_path, "old", docs[0]), load(tmp_path, "new", docs[1])
     plan = make_plan(new, render_topology(new), facts_of(old, {"host1", "host2", "host3"}))
     assert plan.roll is not None and "cannot serve the old generation again" in plan.roll.warnings[0]
+
+
+def test_a_roll_stopped_after_its_last_cohort_restarts_nothing(tmp_path: Path) -> None:
+    """Killed after the last cohort's manifests but before the router's: the next plan finishes the router's record and
+    restarts no P or D (the router's manifest is not a P/D host's)."""
+    old = load(tmp_path, "old", upgrade.topology(upgrade.OLD))
+    new = load(tmp_path, "new", upgrade.topology(upgrade.NEW))
+    facts = facts_of(old, {"host1", "host2", "host3"}, moved={"host1": new, "host2": new})
+    # The last step wrote the rendered router config already; the router's manifest and launch script are the old ones.
+    rendered = next(a for a in render_topology(new) if a.path.endswith(".router.yaml"))
+    facts["host3"].files[rendered.path] = {
+        "sha256": hashlib.sha256(rendered.content.encode()).hexdigest(),
+        "mode": rendered.mode,
+        "content": base64.b64encode(rendered.content.encode()).decode(),
+    }
+    plan = make_plan(new, render_topology(new), facts)
+    assert not plan.compat_break and plan.roll is None and not plan.downtime
+    assert {u.action for h in plan.hosts for u in h.units} == {UnitVerb.NONE}  # the router too: it re-reads its config
