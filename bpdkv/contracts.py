@@ -202,6 +202,9 @@ ROUTER_DEFAULTS: Final[dict[str, Any]] = {
 }
 # Seconds (whole numbers, so the rendered YAML stays as people write it).
 ROUTER_TIMEOUT_DEFAULTS: Final[dict[str, float]] = {"connect": 5, "prefill": 600, "decode_first_byte": 600, "decode_idle": 300}
+# Router config keys a running router re-reads from its file without a restart (bpdkv/router/reload.py); the planner
+# lets a cohort roll change only these without restarting the router (bpdkv/deploy/planner.py).
+ROUTER_RELOADABLE_KEYS: Final[tuple[str, ...]] = ("prefill", "decode", "generations")
 ROUTER_HEALTH_DEFAULTS: Final[dict[str, float]] = {"interval": 5, "failures_to_eject": 3, "backoff_max": 60}
 # Per-turn paths (router.paths): a continued turn of at most local_max_tokens new tokens (estimated: exact for token-id
 # prompts, else UTF-8 bytes of the new messages / chars_per_token plus per-message template overhead) runs on the D

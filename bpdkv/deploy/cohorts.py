@@ -223,9 +223,6 @@ class RollPlan:
     def downtime(self) -> bool:
         return bool(self.downtime_steps)
 
-    def hosts_of(self, index: int) -> tuple[str, ...]:
-        return self.steps[index].step.nodes
-
     def to_json(self) -> dict[str, Any]:
         from bpdkv.deploy import operations as ops
 

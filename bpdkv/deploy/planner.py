@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from bpdkv import __version__
+from bpdkv import __version__, contracts
 from bpdkv.deploy import cohorts
 from bpdkv.deploy import efa as efa_probe
 from bpdkv.deploy import operations as ops
@@ -572,7 +572,7 @@ def _role_counts(node: Node) -> str:
     return " + ".join(parts)
 
 
-ROLL_KEYS = ("prefill", "decode", "generations")  # what the router re-reads without a restart
+ROLL_KEYS = contracts.ROUTER_RELOADABLE_KEYS  # what the router re-reads without a restart
 
 
 def _behind(facts: HostFacts, desired: dict[str, Any]) -> bool:

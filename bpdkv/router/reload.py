@@ -22,11 +22,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from bpdkv import contracts
 from bpdkv.router.config import RouterConfig, RouterConfigError, config_from_bytes
 
 log = logging.getLogger("bpdkv.router")
 
-RELOADABLE = ("prefill", "decode", "generations")
+RELOADABLE = contracts.ROUTER_RELOADABLE_KEYS
 NOT_COMPARED = ("config_file",)
 POLL_S = 1.0
 FULL_READ_EVERY = 10  # polls: the digest is read at least this often even when the stat did not change
