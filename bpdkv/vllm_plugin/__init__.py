@@ -23,7 +23,39 @@ def register() -> None:
 
     streaming.install()
     _tolerant_stats()
+    _register_connector()
     _bind_cache_manager()
+
+
+CONNECTOR_NAME = "BpdkvNixlConnector"
+CONNECTOR_MODULE = "bpdkv.vllm_plugin.connector"
+
+
+def _register_connector() -> None:
+    """vLLM looks connectors up by name where no module path is at hand: MultiConnector rebuilds its children's stats
+    from their class names in the API server's output handler (`build_kv_connector_stats` →
+    `KVConnectorFactory.get_connector_class_by_name`). Unregistered, every request through a MultiConnector holding
+    bpdkv's connector failed there (issue 46). Registered lazily: the module is imported only when first asked for."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except Exception:  # noqa: BLE001 - a process without vLLM's KV transfer (a tool): nothing to register
+        return
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if isinstance(registry, dict) and CONNECTOR_NAME in registry:
+        return
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+
+
+def bpdkv_connectors(connector: object) -> list[object]:
+    """bpdkv's connectors in what the scheduler holds: the connector itself, or the children of a MultiConnector."""
+    if connector is None:
+        return []
+    if getattr(connector, "_bpdkv_unbound", None) is not None:
+        return [connector]
+    found: list[object] = []
+    for child in getattr(connector, "_connectors", None) or ():
+        found.extend(bpdkv_connectors(child))
+    return found
 
 
 def _tolerant_stats() -> None:
@@ -59,10 +91,10 @@ def _bind_cache_manager() -> None:
 
     def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         original(self, *args, **kwargs)
-        connector = getattr(self, "connector", None)
         manager = getattr(self, "kv_cache_manager", None)
-        if manager is not None and getattr(connector, "_bpdkv_unbound", False):
-            connector.bind_kv_cache_manager(manager)
+        for connector in bpdkv_connectors(getattr(self, "connector", None)):  # inside a MultiConnector too
+            if manager is not None and getattr(connector, "_bpdkv_unbound", False):
+                connector.bind_kv_cache_manager(manager)  # type: ignore[attr-defined]
 
     scheduler_cls.__init__ = __init__
     scheduler_cls._bpdkv_binds = True

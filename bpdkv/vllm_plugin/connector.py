@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bpdkv import contracts
-from bpdkv.vllm_plugin import cost, decide, digests, fence, handshake, hold, idle
+from bpdkv.vllm_plugin import cost, decide, digests, fence, handshake, hold, idle, quiet
 from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, log_notes, require_supported, skips_external_kv
 
 require_supported()
@@ -281,6 +281,8 @@ def _prom_metrics_class() -> Any:
 
 class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
     def __init__(self, vllm_config: Any, role: Any, *args: Any, **kwargs: Any) -> None:
+        # Before upstream's worker creates its NIXL agent: a progress thread that waits on events, not spins (quiet.py).
+        quiet.configure(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         super().__init__(vllm_config, role, *args, **kwargs)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._unverified_reuse = str(extra.get(contracts.EXTRA_UNVERIFIED_REUSE, contracts.DEFAULT_UNVERIFIED_REUSE))

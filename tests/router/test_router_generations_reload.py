@@ -312,7 +312,9 @@ def test_a_change_of_another_key_is_logged_and_not_applied(
 def test_a_removed_member_finishes_its_stream(lab: Lab, reference: str, tmp_path: Path) -> None:
     """A D removed from the file while it streams: the stream ends complete, and no new request goes there."""
     p, d_slow = engines("0.32.0")
-    d_slow.settings.token_interval = 0.15  # 40 tokens: about 6 s of stream
+    # A gate, not a race: D streams one token every 2 s (40 tokens: 80 s) until the test has seen the reload land,
+    # then at full speed. On a busy machine a reload can take seconds; the stream must still be running when it lands.
+    d_slow.settings.token_interval = 2.0
     _, d_other = engines("0.32.0")
     urls = {"p": lab.engine(p), "slow": lab.engine(d_slow), "other": lab.engine(d_other)}
     path = tmp_path / "router.yaml"
@@ -329,6 +331,8 @@ def test_a_removed_member_finishes_its_stream(lab: Lab, reference: str, tmp_path
     second = write(path, config_doc({"p-0": (urls["p"], NEW.id)}, {"d-other": (urls["other"], NEW.id)}))
     wait_config(url, second, {NEW.id: {"prefill": 1, "decode": 1}})
     assert streaming.is_alive()  # the reload came while D streamed
+    assert not got
+    d_slow.settings.token_interval = 0.0  # open the gate: the rest of the stream flows
     streaming.join(WAIT_S)
     assert got == [chat(reference, messages)[0]]
     Conversation(url, reference, "after").turn()
