@@ -1,6 +1,8 @@
 """The router's ASGI app: routes, auth, lifecycle, and the glue of one request — intake (read, validate, sanitise),
 the reuse policy (identity and stored D location, beside sessions), the P→D turn (turn), the stream to the client
-(relay). The admin API is in admin.py."""
+(relay). The admin API is in admin.py. Client APIs other than Chat Completions and Completions are surfaces
+(surface.py): Anthropic Messages (messages.py) and OpenAI Responses (responses.py) turn their request into a chat
+turn that runs the same pipeline, and render its answer in their own shape."""
 
 from __future__ import annotations
 
@@ -31,13 +33,16 @@ from bpdkv.router.admin import AdminApi, bearer, error
 from bpdkv.router.config import RouterConfig
 from bpdkv.router.engines import STALE_AFTER, load_loop
 from bpdkv.router.intake import CHAT, COMPLETIONS, BadRequest, ClientGone, read_body, sanitize, shape_problem
+from bpdkv.router.messages import MessagesSurface
 from bpdkv.router.metrics import RouterMetrics
 from bpdkv.router.paths import PathDecision, PathReason, TurnPath
 from bpdkv.router.relay import RelayOutcome, Reply, SseRelay
 from bpdkv.router.reload import ConfigWatch, Loaded
+from bpdkv.router.responses import ResponsesSurface
 from bpdkv.router.returns import ReturnModel, stamp
 from bpdkv.router.reuse import ReusePolicy
 from bpdkv.router.sessions import Reuse
+from bpdkv.router.surface import API_CHAT, API_COMPLETIONS, ChatTurn, Surface, SurfaceError, upstream_message
 from bpdkv.router.turn import (
     UPSTREAM_ERRORS,
     DecodedWhole,
@@ -164,10 +169,14 @@ class Router:
         )
         key_env = config.backend_api_key_env
         self._backend_key = os.environ.get(key_env) if key_env else None
+        self.responses = ResponsesSurface(lambda: self.store, clock)
+        # The client APIs served as surfaces over the chat turn (surface.py), by route.
+        self.surfaces: dict[str, Surface] = {MessagesSurface.route: MessagesSurface(), ResponsesSurface.route: self.responses}
         self.app = self  # the ASGI application (kept as an attribute for symmetry with Starlette apps)
         self._starlette = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route(ResponsesSurface.route + "/{response_id}", self.stored_response, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
@@ -184,7 +193,7 @@ class Router:
         """ASGI entry. The two completion routes skip Starlette's middleware stack: every SSE chunk would
         otherwise pass three send wrappers, which profiled at a quarter of the router's CPU."""
         path = scope.get("path")
-        if scope["type"] == "http" and scope.get("method") == "POST" and path in (CHAT, COMPLETIONS):
+        if scope["type"] == "http" and scope.get("method") == "POST" and (path in (CHAT, COMPLETIONS) or path in self.surfaces):
             await self._serve_completion(scope, receive, send, path)
             return
         await self._starlette(scope, receive, send)
@@ -210,7 +219,8 @@ class Router:
                 return
             except Exception:  # noqa: BLE001 - a bug must cost one request a 500, never the process
                 log.exception("router error on %s", route)
-                response = error(500, "internal router error")
+                api = self.surfaces.get(route)
+                response = api.error(500, "internal router error") if api is not None else error(500, "internal router error")
             if isinstance(response, SseRelay):
                 try:
                     await response.send_to(send)
@@ -302,6 +312,20 @@ class Router:
         if self.config.model:
             return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model", "owned_by": "bpdkv"}]})
         return error(503, "no upstream answered /v1/models")
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET /v1/responses/{id}: a stored response of this tenant, as it was answered (404 in OpenAI's shape)."""
+        tenant = self._tenant(request)
+        if tenant is None:
+            return self.responses.error(401, "invalid or missing API key")
+        response_id = request.path_params["response_id"]
+        try:
+            found = await self.responses.stored(tenant, response_id)
+        except SurfaceError as refused:
+            return self.responses.error(refused.status, refused.message, refused.param, refused.code)
+        if found is None:
+            return self.responses.error(404, f"Response with id '{response_id}' not found.", "response_id")
+        return Response(jsonbytes.dumps(found), media_type="application/json")
 
     def publish_serving(self) -> None:
         generations.publish(self.prefill, self.decode, self.metrics)
@@ -413,19 +437,31 @@ class Router:
     async def _flow(
         self, request: Request, route: str, start: float, account: RequestAccount, watch: DisconnectWatch
     ) -> Response | SseRelay:
+        api = self.surfaces.get(route)  # None: Chat Completions or Completions, served as they are
         tenant = self._tenant(request)
         if tenant is None:
             self.metrics.rejected.labels("auth").inc()
+            if api is not None:
+                return api.error(401, "invalid or missing API key")
             return error(401, "invalid or missing API key", "authentication_error")
+        turn: ChatTurn | None = None
         try:
             c = self.config
             raw_body = await read_body(request, c.max_body_bytes, c.max_json_depth, c.client_timeouts.body)
-            problem = shape_problem(route, raw_body)
+            if api is not None:
+                turn = await api.parse(raw_body, dict(request.headers), tenant)
+                raw_body = turn.body  # the chat turn the pipeline runs; kept to the chat intake's checks too
+            problem = shape_problem(CHAT if api is not None else route, raw_body)
             if problem is not None:
                 raise BadRequest(400, problem, "shape")
-        except BadRequest as bad:
+        except (BadRequest, SurfaceError) as bad:
             self.metrics.rejected.labels(bad.reason).inc()
-            refused = error(bad.status, bad.message, "invalid_request_error")
+            param, code = (bad.param, bad.code) if isinstance(bad, SurfaceError) else (None, None)
+            if api is not None:
+                log.info("%s refused (%d): %s", route, bad.status, bad.message[:300].encode("unicode_escape").decode("ascii"))
+                refused = api.error(bad.status, bad.message, param, code)
+            else:
+                refused = error(bad.status, bad.message, "invalid_request_error")
             if bad.status in (408, 413):
                 refused.headers["connection"] = "close"  # the rest of that body is not read: the connection ends
             return refused
@@ -434,9 +470,12 @@ class Router:
         header_id = request.headers.get(contracts.SESSION_HEADER) or None
         mode = self.config.session_identity
         session_id = header_id if mode == "header" else field_id if mode == "field" else (header_id or field_id)
+        surface_route = route
+        if api is not None:
+            route = CHAT  # what P and D are sent, whatever the client spoke
         ident = None
         if request.headers.get(contracts.REUSE_HEADER, "").lower() != contracts.SWITCH_OFF:  # benchmark A/B on one fleet
-            ident = sessions.identify(route, tenant, body, session_id, mode)
+            ident = sessions.identify(route, tenant, body, session_id, mode, surface_route if api is not None else "")
         entry, outcome = await self.reuse.lookup(ident)
         headers = self._upstream_headers(request)
         stream = bool(body.get("stream"))
@@ -455,8 +494,8 @@ class Router:
             local = await self.turn.decode_local(route, body, holder, params, headers, stream, tokens)
             if not isinstance(local, NoUpstream):
                 self.metrics.child(self.metrics.paths, decision.path.value, decision.reason.value).inc()
-                self.metrics.child(self.metrics.reuse, outcome.value).inc()
-                return await self._answer(local, route, body, None if last_turn else ident, start, account)
+                self._count_turn(surface_route, decision.path, outcome)
+                return await self._answer(local, route, body, None if last_turn else ident, start, account, api, turn)
             # D failed before its first byte: the turn goes through P and computes (that D's blocks are not trusted).
             self.turn.distrust(entry.params, entry.decode)
             decision = PathDecision(TurnPath.PREFILL_FULL, PathReason.LOCAL_FAILED, decision.new_tokens)
@@ -473,10 +512,10 @@ class Router:
             if prefilled.other_generation:
                 outcome = Reuse.REFUSED
         if not isinstance(prefilled, Prefilled):
-            self.metrics.child(self.metrics.reuse, outcome.value).inc()
+            self._count_turn(surface_route, decision.path, outcome)
             if isinstance(prefilled, NoUpstream):
-                return error(502, prefilled.message, "upstream_error")
-            return _passthrough(prefilled.answer)
+                return api.error(502, prefilled.message) if api is not None else error(502, prefilled.message, "upstream_error")
+            return self._upstream_refusal(prefilled.answer, api)
         if last_turn:
             ident = None
         decoded = await self.turn.decode(route, body, stamp(prefilled.params, forecast), headers, stream, hold)
@@ -489,8 +528,21 @@ class Router:
                 if outcome in (Reuse.HIT, Reuse.PARTIAL):  # what P read is not what answers: computed elsewhere
                     self.metrics.miss(MissCause.OTHER_GENERATION)
                     outcome = Reuse.REFUSED
+        self._count_turn(surface_route, decision.path, outcome)
+        return await self._answer(decoded, route, body, ident, start, account, api, turn)
+
+    def _count_turn(self, route: str, path: TurnPath, outcome: Reuse) -> None:
         self.metrics.child(self.metrics.reuse, outcome.value).inc()
-        return await self._answer(decoded, route, body, ident, start, account)
+        api = self.surfaces.get(route)
+        label = api.api if api is not None else API_CHAT if route == CHAT else API_COMPLETIONS
+        self.metrics.child(self.metrics.api_turns, label, path.value, outcome.value).inc()
+
+    @staticmethod
+    def _upstream_refusal(answer: Any, api: Surface | None) -> Response:
+        """vLLM's 4xx (the client's request: too long, an unknown model …): as vLLM wrote it, or in the surface's shape."""
+        if api is None:
+            return _passthrough(answer)
+        return api.error(answer.status, upstream_message(answer.content))
 
     async def _answer(
         self,
@@ -500,17 +552,26 @@ class Router:
         ident: sessions.Identity | None,
         start: float,
         account: RequestAccount,
+        api: Surface | None = None,
+        turn: ChatTurn | None = None,
     ) -> Response | SseRelay:
         if isinstance(decoded, NoUpstream):
-            return error(502, decoded.message, "upstream_error")
+            return api.error(502, decoded.message) if api is not None else error(502, decoded.message, "upstream_error")
         if isinstance(decoded, Passthrough):
-            return _passthrough(decoded.answer)
+            return self._upstream_refusal(decoded.answer, api)
         if isinstance(decoded, DecodedWhole):
-            return await self._whole(decoded, route, body, ident, start)
-        return self._relay(decoded, body, ident, start, account)
+            return await self._whole(decoded, route, body, ident, start, api, turn)
+        return self._relay(decoded, body, ident, start, account, api, turn)
 
     async def _whole(
-        self, decoded: DecodedWhole, route: str, body: dict[str, Any], ident: sessions.Identity | None, start: float
+        self,
+        decoded: DecodedWhole,
+        route: str,
+        body: dict[str, Any],
+        ident: sessions.Identity | None,
+        start: float,
+        api: Surface | None = None,
+        turn: ChatTurn | None = None,
     ) -> Response:
         answer = decoded.answer
         try:
@@ -523,11 +584,20 @@ class Router:
         data.pop(contracts.KV_TRANSFER_PARAMS, None)
         if decoded.member.incarnation == decoded.incarnation:  # else a reload moved D: its answer is the old engine's
             await self.reuse.after_decode(ident, body, reply, decoded.member)
+        if api is not None and turn is not None:
+            data = await api.render(turn, data)
         self.metrics.ttft.observe(time.perf_counter() - start)
         return Response(jsonbytes.dumps(data), status_code=200, media_type="application/json")
 
     def _relay(
-        self, decoded: DecodeStream, body: dict[str, Any], ident: sessions.Identity | None, start: float, account: RequestAccount
+        self,
+        decoded: DecodeStream,
+        body: dict[str, Any],
+        ident: sessions.Identity | None,
+        start: float,
+        account: RequestAccount,
+        api: Surface | None = None,
+        turn: ChatTurn | None = None,
     ) -> SseRelay:
         keep = self.config.reuse and ident is not None
         member = decoded.member
@@ -556,4 +626,5 @@ class Router:
                 self.reuse.observe_decode(member, outcome.params)
                 await self.reuse.note_released(member, outcome.params)
 
-        return SseRelay(decoded, on_close, lambda: self.metrics.ttft.observe(time.perf_counter() - start), keep)
+        translate = api.translator(turn) if api is not None and turn is not None else None
+        return SseRelay(decoded, on_close, lambda: self.metrics.ttft.observe(time.perf_counter() - start), keep, translate)

@@ -85,6 +85,12 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.api_turns = Counter(
+            "bpdkv_router_api_turns",
+            "Turns by client API (chat_completions, completions, messages, responses), path and reuse outcome",
+            ["api", "path", "reuse"],
+            registry=r,
+        )
         self.rejected = Counter("bpdkv_router_rejected", "Requests the router refused before any upstream saw them", ["reason"], registry=r)
         self.d_params_missing = Counter(
             "bpdkv_router_d_params_missing", "D finished without returning kv_transfer_params (unpatched streaming?)", registry=r

@@ -5,6 +5,10 @@ client and the router's edits) and coalesced (whatever one socket read brought g
 event carrying kv_transfer_params — D's last — is parsed on the way, to take the params out. The assistant reply
 the next turn's identity needs is rebuilt from the kept bytes after the stream ended, and only when it will be
 stored.
+
+A stream for another client API (Anthropic Messages, OpenAI Responses: router/surface.py) goes through its surface's
+translator: D's chat events, params taken out and kept as they are for the next turn's identity, become that API's
+events; its closing events go out once D's stream ended, after what they announce is stored.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from starlette.types import Send
 
 from bpdkv import contracts
 from bpdkv.router import jsonbytes
+from bpdkv.router.surface import StreamTranslator, chat_chunks
 from bpdkv.sse import Reply as Reply  # re-exported: the router's modules and tests import it from here
 
 EVENT_END = b"\n\n"
@@ -145,8 +150,10 @@ class SseRelay:
         on_close: Callable[[RelayOutcome], Awaitable[None]],
         on_first_byte: Callable[[], None],
         keep: bool,
+        translate: StreamTranslator | None = None,
     ) -> None:
         self.upstream = upstream
+        self.translate = translate
         self.content_type = upstream.content_type.encode("latin-1")
         self.on_close = on_close
         self.on_first_byte = on_first_byte
@@ -171,6 +178,8 @@ class SseRelay:
                 self._params = params
         if self.keep and block:
             self._kept.append(block)
+        if self.translate is not None and block:
+            return self.translate.feed(chat_chunks(block))
         return block
 
     def _whole_events(self, data: bytes) -> bytes:
@@ -226,10 +235,15 @@ class SseRelay:
                 # Mid-stream failure: the client already has bytes, so no retry; end the stream with an error event.
                 error = type(upstream_error).__name__
                 err = {"error": {"message": f"decode failed mid-stream: {error}", "type": "upstream_error"}}
-                body = self._held + b"data: " + json.dumps(err).encode() + EVENT_END
+                if self.translate is not None:
+                    body = self._held + self.translate.failed(err["error"]["message"])
+                else:
+                    body = self._held + b"data: " + json.dumps(err).encode() + EVENT_END
                 await self._last(send, cycle if raw_end else None, body)
             else:
                 tail = self._held + (self._edit(self._pending) if self._pending else b"")
+                if self.translate is not None:
+                    tail += await self.translate.finish()  # after what it announces is stored (responses.py)
                 await self._last(send, cycle if raw_end else None, tail)
                 completed = True
         except OSError as exc:  # the client's socket failed under send
@@ -284,7 +298,7 @@ class SseRelay:
         kept = self._kept if self.keep else None
 
         def sink(data: bytes) -> None:
-            if not self._pending and data.endswith(EVENT_END) and PARAMS_MARK not in data:
+            if not self._pending and data.endswith(EVENT_END) and PARAMS_MARK not in data and self.translate is None:
                 # Whole events without D's params: a token's usual read, passed on as it came.
                 if kept is not None:
                     kept.append(data)

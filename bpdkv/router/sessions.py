@@ -289,11 +289,15 @@ def settle(predicted: Reuse, pull_outcome: object, fell_back: bool, pulled_token
     return predicted
 
 
-def identify(route: str, tenant: str, body: dict[str, Any], session_id: str | None, mode: str) -> Identity | None:
-    """The request's identity, or None when it is not eligible for reuse (n > 1, no usable history)."""
+def identify(route: str, tenant: str, body: dict[str, Any], session_id: str | None, mode: str, surface: str = "") -> Identity | None:
+    """The request's identity, or None when it is not eligible for reuse (n > 1, no usable history).
+
+    surface: the client API a chat-shaped conversation came in on, when not Chat Completions (`/v1/messages`,
+    `/v1/responses`: their adapters hand the turn over as a chat body). It is part of the scope, so one conversation
+    sent over two APIs never shares an identity (their answers are rendered, and sent back, differently)."""
     if (body.get("n") or 1) != 1:
         return None
-    scope = scope_digest(tenant, route, body)
+    scope = scope_digest(tenant, surface or route, body)
     explicit = session_id if (mode != "auto" or session_id) else None
     if route == CHAT:
         messages = body.get("messages")
@@ -402,6 +406,13 @@ class SessionStore(Protocol):
 
     async def count(self) -> int: ...
 
+    async def put_record(self, key: str, value: bytes, ttl: float) -> None:
+        """A record kept for ttl seconds and read any number of times (a stored Responses API response, which
+        `previous_response_id` continues from): unlike a session entry it is not single-use."""
+        ...
+
+    async def get_record(self, key: str) -> bytes | None: ...
+
     async def close(self) -> None: ...
 
 
@@ -412,8 +423,20 @@ class MemoryStore:
         self._data: dict[str, SessionEntry] = {}
         self._released: dict[str, float] = {}  # key -> until (router clock)
         self._ends: dict[str, tuple[float, float]] = {}  # key -> (ended_at, expires_at) of its latest turn
+        self._records: dict[str, tuple[float, bytes]] = {}  # key -> (expires_at, value), oldest first
         self._max = max_entries
         self._clock = clock
+
+    async def put_record(self, key: str, value: bytes, ttl: float) -> None:
+        now = self._clock()
+        self._records.pop(key, None)
+        self._records[key] = (now + ttl, value)
+        while self._records and (len(self._records) > self._max or next(iter(self._records.values()))[0] <= now):
+            del self._records[next(iter(self._records))]
+
+    async def get_record(self, key: str) -> bytes | None:
+        found = self._records.get(key)
+        return found[1] if found is not None and found[0] > self._clock() else None
 
     async def mark_released(self, keys: list[str], ttl: float) -> None:
         now = self._clock()
@@ -492,6 +515,7 @@ class MemoryStore:
 
     async def close(self) -> None:
         self._data.clear()
+        self._records.clear()
 
 
 # Compare-and-delete: the take of one worker never removes an entry another worker stored in between.
@@ -553,6 +577,7 @@ class RedisStore:
     PREFIX = "bpdkv:s:"
     RELEASED = "bpdkv:r:"
     ENDS = "bpdkv:e:"  # key -> "ended_at expires_at" of its latest turn, kept TURN_END_HORIZON_S (the gap metric)
+    RECORDS = "bpdkv:rec:"  # key -> a record (put_record): read by any worker or replica, and after a restart
 
     def __init__(self, url: str, timeout: float = 0.25, **options: Any) -> None:
         from bpdkv.router.resp import RespClient
@@ -682,6 +707,13 @@ class RedisStore:
 
     async def is_released(self, key: str) -> bool:
         return bool(await self._call(self._redis.execute("EXISTS", self.RELEASED + key)))
+
+    async def put_record(self, key: str, value: bytes, ttl: float) -> None:
+        await self._call(self._redis.execute("SET", self.RECORDS + key, value, "PX", max(int(ttl * 1000), 1)))
+
+    async def get_record(self, key: str) -> bytes | None:
+        value = await self._call(self._redis.execute("GET", self.RECORDS + key))
+        return None if value is None else bytes(value)
 
     async def count(self) -> int:
         total = 0

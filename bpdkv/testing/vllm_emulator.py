@@ -10,6 +10,12 @@ gives HTTP 500 with `kv_load_failure_policy=fail` and a hang with `recompute` â€
 (upstream's defect) and then, like the real thing, answers differently. Tokens are the UTF-8 bytes of a ChatML
 rendering; generation is a deterministic function of the prompt tokens, so a single emulator without
 kv_transfer_params is the reference server.
+
+It also answers vLLM's other agent APIs, `/v1/messages` (Anthropic) and `/v1/responses` (OpenAI), as vLLM does: the
+request converted to a chat request, served as one, and the chat answer converted back â€” the conversions are the
+router's surfaces (bpdkv/router/messages.py, responses.py), which follow vLLM's; a single emulator is then the
+reference server for those APIs too. Like vLLM without VLLM_ENABLE_RESPONSES_API_STORE, it stores no response
+(`previous_response_id` is refused).
 """
 
 from __future__ import annotations
@@ -110,6 +116,8 @@ class VllmEmulator:
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
@@ -303,6 +311,60 @@ class VllmEmulator:
         if not tokens:
             return vllm_error(400, "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)", "prompt")
         return await self._serve(body, tokens, chat=False)
+
+    async def messages(self, request: Request) -> Response:
+        return await self._agent_api(request, "messages")
+
+    async def responses(self, request: Request) -> Response:
+        return await self._agent_api(request, "responses")
+
+    async def _agent_api(self, request: Request, api: str) -> Response:
+        """/v1/messages and /v1/responses as vLLM serves them: converted to a chat request, served, converted back
+        (a whole answer keeps vLLM's top-level kv_transfer_params; a stream carries none, as vLLM's /v1/messages)."""
+        from bpdkv.router.messages import MessagesSurface
+        from bpdkv.router.responses import ResponsesSurface
+        from bpdkv.router.sessions import MemoryStore
+        from bpdkv.router.surface import SurfaceError, chat_chunks
+
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        surface: Any = MessagesSurface() if api == "messages" else ResponsesSurface(lambda: MemoryStore())
+        if api == "responses" and body.get("previous_response_id") is not None:
+            return vllm_error(
+                400, "previous_response_id needs the response store (VLLM_ENABLE_RESPONSES_API_STORE=1)", "previous_response_id"
+            )
+        try:
+            turn = await surface.parse(body, dict(request.headers), "emulated")
+        except SurfaceError as refused:
+            return vllm_error(refused.status, refused.message, refused.param)
+        chat_body = dict(turn.body)
+        if isinstance(body.get(contracts.KV_TRANSFER_PARAMS), dict):
+            chat_body[contracts.KV_TRANSFER_PARAMS] = body[contracts.KV_TRANSFER_PARAMS]
+        problem = validate_chat(chat_body) or self._validate_common(chat_body)
+        if problem is not None:
+            return problem
+        tools = chat_body.get("tools") if isinstance(chat_body.get("tools"), list) else None
+        served = await self._serve(chat_body, self.chat_tokens(chat_body["messages"], tools), chat=True)
+        if served.status_code != 200:
+            return served
+        if isinstance(served, StreamingResponse):
+            translator = surface.translator(turn)
+
+            async def events():  # type: ignore[no-untyped-def]
+                async for piece in served.body_iterator:
+                    raw = piece if isinstance(piece, bytes) else str(piece).encode()
+                    chunks = [c for c in chat_chunks(raw) if not c.pop(contracts.KV_TRANSFER_PARAMS, None) or c.get("choices")]
+                    out = translator.feed(chunks)
+                    if out:
+                        yield out
+                yield await translator.finish()
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        data = json.loads(bytes(served.body))
+        rendered = await surface.render(turn, data)
+        rendered[contracts.KV_TRANSFER_PARAMS] = data.get(contracts.KV_TRANSFER_PARAMS)
+        return JSONResponse(rendered)
 
     def _validate_common(self, body: dict[str, Any]) -> Response | None:
         """What vLLM checks after the request parsed: the model name, then the token budget."""
