@@ -113,7 +113,13 @@ def roll_lines(roll: Any) -> list[str]:
     lines = [
         f"generation {roll.old} (vLLM {roll.old_vllm}) → {roll.new} (vLLM {roll.new_vllm}); the router re-reads its upstreams at each step, no restart"
     ]
-    lines.append(f"step 0 prepare: the router learns both generations (config {roll.prepare.digest})")
+    if roll.adopted:
+        lines.append(
+            f"{', '.join(roll.adopted)}: already run vLLM {roll.new_vllm} (their engines say so; a stopped roll had not "
+            "recorded it): counted in the new generation, not restarted"
+        )
+    undrained = f"; undrain {', '.join(u.instance for u in roll.undrains)}" if roll.undrains else ""
+    lines.append(f"step 0 prepare: the router learns both generations (config {roll.prepare.digest}){undrained}")
     for i, s in enumerate(roll.steps, 1):
         what = {
             "surge": "start the new generation on the spare node(s)",
@@ -236,6 +242,8 @@ def print_report(report: Any, title: str) -> None:
     Console(highlight=False).print(table)
     for line in report.failed_lines():
         red(line)
+    for line in report.summary:  # last: what a roll did and what serves per generation
+        click.echo(line)
 
 
 def print_status(result: Any, topology: str, output: str) -> None:

@@ -218,6 +218,11 @@ class RollPlan:
     steps: tuple[RollStepPlan, ...]
     downtime_steps: tuple[int, ...]  # 1-based steps during which no generation has a P and a D
     warnings: tuple[str, ...] = ()
+    # Nodes whose manifest is behind but whose engines run the new release on the new files (a killed apply restarted
+    # them, then stopped before their record): counted in the new generation, not moved again.
+    adopted: tuple[str, ...] = ()
+    # ops.Undrain of every node serving during step 1 (all but step 1's own): a killed apply may have left some drained.
+    undrains: tuple[Any, ...] = ()
 
     @property
     def downtime(self) -> bool:
@@ -235,6 +240,8 @@ class RollPlan:
             "steps": [s.to_json() for s in self.steps],
             "downtime_steps": list(self.downtime_steps),
             "warnings": list(self.warnings),
+            "adopted": list(self.adopted),
+            "undrains": [ops.to_json(u) for u in self.undrains],
         }
 
     @staticmethod
@@ -250,6 +257,8 @@ class RollPlan:
             tuple(RollStepPlan.from_json(s) for s in data["steps"]),
             tuple(data["downtime_steps"]),
             tuple(data.get("warnings", ())),
+            tuple(data.get("adopted", ())),
+            tuple(ops.from_json(u) for u in data.get("undrains", [])),
         )
 
 
@@ -318,12 +327,15 @@ def build_roll(
     key_file: str | None,
     max_unavailable: int,
     undrains_by_node: dict[str, list[Any]],
+    running_new: frozenset[str] = frozenset(),
 ) -> RollPlan | None:
     """The roll for a compatibility break, or None where it cannot be rolled (no running router to steer traffic, a P/D
     node never deployed or unreachable, more than one older generation): then P and D restart together as before.
 
     `manifests`: each P/D node's last manifest (None: none); `undrains_by_node`: the Undrain operations the planner
-    made for each node's restarts (the roll runs them only after the router serves the node in its new generation)."""
+    made for each node's restarts (the roll runs them only after the router serves the node in its new generation);
+    `running_new`: nodes whose engines already run the new release on the new files while their manifest is behind (a
+    killed apply): they serve the new generation from step 0 on and are not moved again."""
     import yaml
 
     from bpdkv.deploy import efa
@@ -352,8 +364,12 @@ def build_roll(
         roles = [i.role for i in node.instances]
         return Slot(node.name, roles.count("prefill"), roles.count("decode"), bool(getattr(node, "spare", False)))
 
-    moved = [slot(n) for n in pd_nodes if not getattr(n, "spare", False) and known[n.name]["compat"] == desired]
-    todo = [slot(n) for n in pd_nodes if getattr(n, "spare", False) or known[n.name]["compat"] != desired]
+    def is_moved(node: Any) -> bool:
+        return not getattr(node, "spare", False) and (known[node.name]["compat"] == desired or node.name in running_new)
+
+    moved = [slot(n) for n in pd_nodes if is_moved(n)]
+    todo = [slot(n) for n in pd_nodes if not is_moved(n)]
+    adopted = tuple(n.name for n in pd_nodes if is_moved(n) and known[n.name]["compat"] != desired)
     roll = plan_roll(todo, old, new, max_unavailable, moved)
 
     router_node = router[0]
@@ -378,6 +394,7 @@ def build_roll(
 
     admin = (router_node, router[1], admin_base, key_file)
     prepare = write(placement)
+    placement_at_start = list(placement)
     nodes = {n.name: n for n in topology.nodes}
     length = efa.probe_length(topology.kv_transfer.kv_recompute_threshold, topology.model.max_model_len or 0)
     python = f"{topology.vllm.venv}/bin/python"
@@ -412,10 +429,19 @@ def build_roll(
                 )
                 probes = (ops.ProbePull(p_inst.name, d_inst.name, p_node.name, d_node.name, command, "", ROLL_PROBE_TIMEOUT, "any"),)
         after = {g: c.to_json() for g, c in step.after.items() if c.prefill or c.decode}
-        gate = ops.ServingGate(router_node, admin_base, json_key(after), key_file)
+        members = (
+            ()
+            if step.kind is StepKind.RETIRE
+            else tuple(f"{i.role}:{i.name}" for name in step.nodes for i in nodes[name].instances if i.role in ("prefill", "decode"))
+        )
+        gate = ops.ServingGate(router_node, admin_base, json_key(after), key_file, generation=new, members=members)
         steps.append(RollStepPlan(step, write(dict(placement)), undrains, probes, gate, drains, stops))
+    first = set(roll.steps[0].nodes) if roll.steps else set()
+    serving_first = [name for name in placement_at_start if name not in first]
+    prepare_undrains = tuple(u for name in serving_first for u in undrains_by_node.get(name, []))
     warnings: list[str] = []
-    old_venv = next((m.get("packages") or {}).get("venv") for m in known.values())
+    # The old release's venv from the nodes still on it (a moved node's manifest records the new one).
+    old_venv = next(((m.get("packages") or {}).get("venv") for m in known.values() if m["compat"] != desired), None)
     if old_entry.get("vllm") != new_entry.get("vllm") and old_venv == topology.vllm.venv:
         warnings.append(
             f"vllm.venv is {topology.vllm.venv} for both releases: a cohort that fails its gate gets its previous files back "
@@ -431,4 +457,6 @@ def build_roll(
         tuple(steps),
         tuple(roll.downtime_steps()),
         tuple(warnings),
+        adopted,
+        prepare_undrains,
     )

@@ -244,17 +244,28 @@ except ValueError:
     out["lock"] = {"owner": "unknown (unreadable lock file)", "raw": lock.decode(errors="replace")[:200]}
 dirty = read(req["dirty"])
 out["dirty"] = None if dirty is None else (dirty.decode(errors="replace").strip() or "unknown")
+out["engines"] = {}  # engine unit -> the vLLM release its running engine reports (GET /version), None: no answer
+import urllib.request
+for unit, port in sorted(req.get("engines", {}).items()):
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d/version" % port, timeout=2) as answer:
+            out["engines"][unit] = str(json.loads(answer.read()).get("version")) or None
+    except Exception:
+        out["engines"][unit] = None
 print(json.dumps(out))
 """
 
 
 class DeployState(Fact[dict[str, Any]]):
     """Everything bpdkv itself owns on a node, in one python3 run: manifest, hashes of managed files, unit states,
-    installed versions, wheelhouse, lock and dirty marker."""
+    installed versions, wheelhouse, lock and dirty marker; and the release each engine unit's running engine reports
+    (`engines`: unit → port; a roll resumed after a killed apply reads where the nodes really are, not only manifests)."""
 
     name = "deploy state"
 
-    def __init__(self, paths: Sequence[str], units: Sequence[str], venv: str, readers: Sequence[str] = ()) -> None:
+    def __init__(
+        self, paths: Sequence[str], units: Sequence[str], venv: str, readers: Sequence[str] = (), engines: dict[str, int] | None = None
+    ) -> None:
         request = base64.b64encode(
             json.dumps(
                 {
@@ -266,6 +277,7 @@ class DeployState(Fact[dict[str, Any]]):
                     "lock": LOCK_PATH,
                     "dirty": DIRTY_PATH,
                     "readers": list(readers),
+                    "engines": dict(engines or {}),
                 }
             ).encode()
         ).decode()
@@ -301,6 +313,7 @@ class HostFacts:
     hardware: dict[str, Any] = field(default_factory=dict)  # fact name → parsed value (bpdkv/deploy/hardware.py)
     debian: dict[str, bool] = field(default_factory=dict)  # Debian package → installed
     user_groups: dict[str, str | None] = field(default_factory=dict)  # service user → primary group (None: no such user)
+    engines: dict[str, str | None] = field(default_factory=dict)  # engine unit → release its engine reports (None: no answer)
 
     def content(self, path: str) -> str | None:
         info = self.files.get(path)

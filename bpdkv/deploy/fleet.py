@@ -123,7 +123,11 @@ def _host_facts(topology: Topology, node: Node, artifacts: list[Artifact]) -> li
     folders = sorted({a.path.rsplit("/", 1)[0] or "/" for a in mine} | {"/var/lib/bpdkv", BACKUP_DIR, MANIFEST_PATH.rsplit("/", 1)[0]})
     return [
         DeployState(
-            [a.path for a in mine], [a.unit for a in mine if a.unit], topology.vllm.venv, sorted({a.reader for a in mine if a.reader})
+            [a.path for a in mine],
+            [a.unit for a in mine if a.unit],
+            topology.vllm.venv,
+            sorted({a.reader for a in mine if a.reader}),
+            {i.unit: i.port for i in node.instances if i.role in ("prefill", "decode") and i.port is not None},
         ),
         DiskFree(folders),
         ListeningPorts(),

@@ -229,21 +229,29 @@ class WriteRouterConfig:
 
 @dataclass(frozen=True)
 class ServingGate:
-    """Cohort apply: the router's own count of what each generation can serve (GET /admin/config `serving`: available
-    P and D per generation) must equal the plan's figure for the step (`serving`, JSON {generation: {prefill, decode}})
-    within `timeout` seconds — the capacity the plan printed is what the router really has."""
+    """Cohort apply: the step's own instances (`members`, "role:name") must serve in `generation` as the router itself
+    reports them (GET /admin/upstreams: listed in that generation, state serving; GET /admin/config `serving`: at least
+    that many available per role) within `timeout` seconds. The gate judges what the step changed: a loss elsewhere (an
+    engine of the old generation that died meanwhile) is reported against the plan's figure for the step (`serving`,
+    JSON {generation: {prefill, decode}}), never a reason to undo a step whose own nodes serve. A step without members
+    (retire) passes once `generation` has a P and a D available."""
 
     host: str
     admin_base: str
     serving: str
     key_file: str | None = None
     timeout: float = 120.0
+    generation: str = ""
+    members: tuple[str, ...] = ()
     op = "serving gate"
     undo = Undo.NONE
 
     def expected(self) -> dict[str, dict[str, int]]:
         data: dict[str, dict[str, int]] = json.loads(self.serving)
         return data
+
+    def member_roles(self) -> list[tuple[str, str]]:
+        return [(m.split(":", 1)[0], m.split(":", 1)[1]) for m in self.members]
 
 
 @dataclass(frozen=True)
@@ -524,6 +532,12 @@ def describe(op: Operation) -> str:
         return f"router config {op.path} on {op.host} (digest {op.digest}): the router re-reads its upstreams, no restart"
     if isinstance(op, ServingGate):
         want = ", ".join(f"{g[:12]} {c['prefill']} P + {c['decode']} D" for g, c in op.expected().items())
+        if op.members:
+            mine = ", ".join(name for _, name in op.member_roles())
+            return (
+                f"serving gate on {op.host}: {mine} serve in {op.generation[:12]} as the router reports them within "
+                f"{op.timeout:g}s (the plan's figure after the step: {want or 'nothing'})"
+            )
         return f"serving gate on {op.host}: the router reports {want or 'nothing'} within {op.timeout:g}s"
     if isinstance(op, Lock):
         return f"lock {op.path} (refused if another apply holds it)"

@@ -421,7 +421,11 @@ def make_plan(
             info = f.files.get(art.path)
             want = hashlib.sha256(art.content.encode()).hexdigest()
             recorded = manifest_files.get(art.path)
-            drift = info is not None and recorded is not None and info["sha256"] != recorded
+            # Drift: edited on the host. A file that is already what we render (an unfinished apply committed it before
+            # its record) is not an edit: the repair line says the record is behind.
+            drift = info is not None and recorded is not None and info["sha256"] != recorded and info["sha256"] != want
+            if drift and art.path.endswith(".router.yaml") and (compat_break or _behind(f, desired_compat)) and _reloadable(f, art):
+                drift = False  # a roll wrote it (it differs only in the upstreams and generations a roll changes)
             if info is None:
                 action = FileAction.CREATE
             elif info["sha256"] != want or info.get("mode") != art.mode or _wrong_group(f, art, info):
@@ -458,6 +462,9 @@ def make_plan(
                 )
             elif new:
                 verb, reason = UnitVerb.START, "new instance"
+            elif roll is not None and inst.role in ("prefill", "decode") and node.name in roll.adopted:
+                verb = UnitVerb.NONE if state == "active" else UnitVerb.START
+                reason = f"runs vLLM {roll.new_vllm} already (its engine says so): the roll stopped before this node's record"
             elif roll is not None and inst.role in ("prefill", "decode") and node.name in roll_step:
                 verb = UnitVerb.RESTART if state == "active" else UnitVerb.START
                 reason = f"compatibility break ({'; '.join(compat_changes)}): cohort step {roll_step[node.name]} of {len(roll.steps)}"
@@ -633,7 +640,34 @@ def _roll(
         n.name: [ops.Undrain(i.name, router[0], router[1], admin_base, key_file) for i in n.instances if i.role in ("prefill", "decode")]
         for n in topology.nodes
     }
-    return cohorts.build_roll(topology, artifacts, manifests, router, admin_base, key_file, max_unavailable, undrains)
+    running_new = frozenset(n.name for n in topology.nodes if n.name in facts and runs_new_release(topology, n, facts[n.name], artifacts))
+    return cohorts.build_roll(topology, artifacts, manifests, router, admin_base, key_file, max_unavailable, undrains, running_new)
+
+
+def _release(version: str | None) -> str:
+    return (version or "").split("+", 1)[0].strip()
+
+
+def runs_new_release(topology: Topology, node: Node, facts: HostFacts, artifacts: list[Artifact]) -> bool:
+    """The node's engines already run the topology's release while its manifest records another: every P/D engine
+    answers /version with the new release and every file of the node on disk is the rendered one (a killed apply
+    committed and restarted it, then stopped before its record). Only a release change can be seen from outside: for a
+    break that keeps the release (model, dtype, block size) the node is moved again."""
+    manifest = facts.manifest if isinstance(facts.manifest, dict) else {}
+    old = (manifest.get("compat") or {}).get("vllm")
+    new = topology.vllm.version
+    if not facts.reachable or not old or _release(old) == _release(new) or manifest.get("compat") == compat_fingerprint(topology):
+        return False
+    units = [i.unit for i in node.instances if i.role in ("prefill", "decode")]
+    if not units or any(_release(facts.engines.get(u)) != _release(new) for u in units):
+        return False
+    for art in artifacts:
+        if art.host != node.name:
+            continue
+        info = facts.files.get(art.path)
+        if info is None or info.get("sha256") != hashlib.sha256(art.content.encode()).hexdigest():
+            return False
+    return True
 
 
 def _selected(node: Node, limit: tuple[str, ...]) -> bool:

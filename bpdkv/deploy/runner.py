@@ -40,6 +40,7 @@ DRAIN_TIMEOUT = 120.0
 # A restart waits for the stop (systemd's TimeoutStopSec, then SIGKILL) before it starts: more than the connector's
 # default command timeout may pass on a loaded node (a rollback then failed with "exited -1" and left the host dirty).
 UNIT_COMMAND_TIMEOUT = STOP_TIMEOUT + 60.0
+DRAIN_DONE = ("drained", "unhealthy")  # router upstream states (GET /admin/upstreams) in which a drain has nothing to wait for
 T = TypeVar("T")
 
 
@@ -51,6 +52,7 @@ class HostStatus(str, Enum):
     ROLLED_BACK = "rolled back"  # failed, previous files and units serve again
     FAILED = "failed"  # failed before anything was changed on it (or its change was undone before commit)
     DIRTY = "dirty"  # failed and could not be restored: the next plan shows it and apply repairs it
+    PAUSED = "paused"  # a roll stopped on it without undoing it (its generation is the only one serving): apply resumes
 
     @property
     def ok(self) -> bool:
@@ -73,6 +75,7 @@ class Report:
 
     outcomes: dict[str, HostOutcome]
     problems: list[str] = field(default_factory=list)  # preflight lines (nothing was written)
+    summary: list[str] = field(default_factory=list)  # a roll's last lines: what each step did, what serves per generation
 
     @property
     def exit_code(self) -> int:
@@ -89,6 +92,7 @@ class Report:
         return {
             "exit_code": self.exit_code,
             "problems": self.problems,
+            "summary": self.summary,
             "hosts": [
                 {
                     "host": o.host,
@@ -158,6 +162,7 @@ class Runner:
         self.committed: set[str] = set()  # hosts whose new files are in place (rollback must restore them)
         self.started: dict[str, list[ops.StartUnit]] = {}  # units this run (re)started, per host
         self.locked: set[str] = set()
+        self.in_roll_step = False  # a failing host of a cohort step is rolled back (or paused) by run_roll, not by fail()
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
     def outcome(self, host: str) -> HostOutcome:
@@ -189,6 +194,8 @@ class Runner:
         out.message = message
         out.traceback = trace or out.traceback
         self.progress(hp.host, f"failed: {message}")
+        if self.in_roll_step:
+            return  # run_roll decides: roll the step back, or pause it where its generation is the only one serving
         if hp.host in self.committed or self.started.get(hp.host):
             self.rollback([hp], message)
 
@@ -444,8 +451,13 @@ class Runner:
         deadline = time.monotonic() + self.options.drain_timeout
         while True:
             listing = self.admin(op, "")
-            state = next((u.get("state") for u in listing.get("upstreams", []) if u.get("name") == op.instance), None)
-            if state in ("drained", "unhealthy"):
+            entry = next((u for u in listing.get("upstreams", []) if u.get("name") == op.instance), None)
+            state = entry.get("state") if entry is not None else None
+            if state in DRAIN_DONE:
+                return
+            # An engine the router refuses (another release than its generation: a killed roll restarted it) gets no
+            # new request whatever its drain; once nothing of it is in flight there is nothing left to wait for.
+            if state == "mismatched" and not (entry or {}).get("in_flight"):
                 return
             if state is None:
                 raise ConnectorError(op.router_host, f"router admin API does not list {op.instance}")
@@ -574,36 +586,66 @@ class Runner:
 
     # ---- cohort apply (bpdkv/deploy/cohorts.py) -------------------------------------------------------------------
     def run_roll(self, live: list[HostPlan]) -> None:
-        """A compatibility break, cohort step by cohort step: the router learns both generations, then each step drains
-        its nodes, installs, commits, restarts and gates them, probes a pull inside the new generation, has the router
-        serve them there and checks the router's own count of what serves. A step that fails is rolled back (its nodes
-        on their previous files, the router on the config of the step before) and the roll stops there; the nodes of
-        later steps are untouched and keep serving the old generation. The other hosts (the router's) go last."""
+        """A compatibility break, cohort step by cohort step: the router learns both generations (and every node that
+        serves during step 1 is undrained: a killed apply may have left one drained), then each step drains its nodes,
+        installs, commits, restarts and gates them, probes a pull inside the new generation, has the router serve them
+        there and checks that the router reports them serving. A step that fails is rolled back (its nodes on their
+        previous files, the router on the config of the step before) and the roll stops there — unless the new
+        generation is the only one serving: then nothing is undone, the roll pauses and says so (apply resumes it). The
+        nodes of later steps are untouched. The other hosts (the router's) go last. The report's last lines say what
+        each step did and what serves per generation."""
         roll = self.plan.roll
         assert roll is not None
         by_host = {hp.host: hp for hp in live}
         in_roll = {h for s in roll.steps for h in s.step.nodes}
+        router_host = roll.prepare.host
         failure = self.router_stage(roll.prepare)
+        if not failure:
+            try:
+                for undrain in roll.undrains:
+                    self.admin(undrain, "undrain")
+            except ConnectorError as exc:
+                failure = exc.reason
         if failure:
-            self.report.problems.append(f"{roll.prepare.host}: the roll did not start: {failure}")
+            self.report.problems.append(f"{router_host}: the roll did not start: {failure}")
             for hp in live:
                 self.outcome(hp.host).status = HostStatus.NOT_STARTED
+            self.roll_summary(roll, "the roll did not start")
             return
+        if roll.adopted:
+            self.report.summary.append(
+                f"{', '.join(roll.adopted)}: already on vLLM {roll.new_vllm} (their engines said so; a stopped roll had not recorded it)"
+            )
         previous = roll.prepare
         for index, step in enumerate(roll.steps, 1):
             hosts = [by_host[h] for h in step.step.nodes if h in by_host]
             label = f"cohort step {index}/{len(roll.steps)} ({step.step.kind.value}: {', '.join(step.step.nodes)})"
-            self.progress(roll.prepare.host, f"{label}: starting")
+            self.progress(router_host, f"{label}: starting")
             started = time.monotonic()
-            failed = self.run_roll_step(step, hosts)
+            self.in_roll_step = True
+            try:
+                failed = self.run_roll_step(step, hosts)
+            finally:
+                self.in_roll_step = False
             if failed is not None:
                 culprit, why = failed
-                self.progress(roll.prepare.host, f"{label}: failed ({why}); rolling this step back, the roll stops here")
-                back = self.router_stage(previous)
-                if back:
-                    self.report.problems.append(f"{previous.host}: router config of the step before not restored: {back}")
-                if hosts:
-                    self.fail_generation(hosts, culprit or hosts[0], f"{label}: {why}")
+                forward = self.only_new_serves(roll, step)
+                if forward:
+                    message = f"{label}: {why}; paused, not rolled back: {forward}; fix the cause and run apply again (it resumes)"
+                    self.progress(router_host, message)
+                    for hp in hosts:
+                        out = self.outcome(hp.host)
+                        if out.status is not HostStatus.DIRTY:
+                            out.status, out.message = HostStatus.PAUSED, message
+                    self.report.summary.append(f"{label}: paused ({why})")
+                else:
+                    self.progress(router_host, f"{label}: failed ({why}); rolling this step back, the roll stops here")
+                    back = self.router_stage(previous)
+                    if back:
+                        self.report.problems.append(f"{previous.host}: router config of the step before not restored: {back}")
+                    if hosts:
+                        self.fail_generation(hosts, culprit or hosts[0], f"{label}: {why}")
+                    self.report.summary.append(f"{label}: failed and rolled back ({why})")
                 for later in roll.steps[index:]:
                     for name in later.step.nodes:
                         if name in by_host and self.outcome(name).status is HostStatus.UNCHANGED:
@@ -614,10 +656,46 @@ class Runner:
                     if hp.host not in in_roll and self.outcome(hp.host).status is HostStatus.UNCHANGED:
                         self.outcome(hp.host).status = HostStatus.NOT_STARTED
                         self.outcome(hp.host).message = f"not changed: the roll stopped at {label}"
+                self.roll_summary(roll, f"the roll stopped at step {index} of {len(roll.steps)}")
                 return
-            self.progress(roll.prepare.host, f"{label}: done in {time.monotonic() - started:.1f} s")
+            took = time.monotonic() - started
+            self.progress(router_host, f"{label}: done in {took:.1f} s")
+            self.report.summary.append(f"{label}: done in {took:.0f} s")
             previous = step.router
         self._run_waves([hp for hp in live if hp.host not in in_roll])
+        self.roll_summary(roll, f"the roll finished: every node on vLLM {roll.new_vllm}" if self.report.exit_code == 0 else "")
+
+    def only_new_serves(self, roll: Any, step: Any) -> str:
+        """Why a failed step must not be rolled back — the new generation serves and, without this step's nodes, no
+        generation would (rolling back the only generation that serves is an outage) — or "" (roll back)."""
+        serving, listing, failure = self.router_serving(step.gate.host, step.gate.admin_base, step.gate.key_file)
+        if failure:
+            return ""
+        new, old = serving.get(roll.new, {}), serving.get(roll.old, {})
+        own = {"prefill": 0, "decode": 0}
+        names = {name for _, name in step.gate.member_roles()}
+        for u in listing:
+            if u.get("name") in names and u.get("state") == "serving" and u.get("generation") == roll.new:
+                role = str(u.get("role"))
+                own[role] = own.get(role, 0) + 1
+        without = {r: new.get(r, 0) - own.get(r, 0) for r in ("prefill", "decode")}
+        if _complete(new) and not _complete(old) and not _complete(without):
+            return f"vLLM {roll.new_vllm} ({roll.new[:12]}) is the only generation serving ({_caps_text(serving)})"
+        return ""
+
+    def roll_summary(self, roll: Any, headline: str) -> None:
+        """The report's last lines: the outcome, then what the router serves per generation."""
+        serving, _, failure = self.router_serving(roll.prepare.host, roll.prepare.admin_base, roll.prepare.key_file)
+        names = {roll.old: f"vLLM {roll.old_vllm} ({roll.old[:12]})", roll.new: f"vLLM {roll.new_vllm} ({roll.new[:12]})"}
+        if headline:
+            self.report.summary.append(headline)
+        if failure:
+            self.report.summary.append(f"serving: unknown (the router's admin API: {failure})")
+            return
+        parts = [
+            f"{names.get(g, g[:12])} {c['prefill']} P + {c['decode']} D" for g, c in sorted(serving.items(), key=lambda x: x[0] != roll.old)
+        ]
+        self.report.summary.append("serving now (the router's count): " + ("; ".join(parts) or "nothing"))
 
     def run_roll_step(self, step: Any, hosts: list[HostPlan]) -> tuple[HostPlan | None, str] | None:
         """One cohort step; (the host to blame or None, why) when it failed, else None."""
@@ -694,22 +772,59 @@ class Runner:
                 return f"the router did not load its config {op.digest} within {op.timeout:g}s ({last})"
             time.sleep(0.3)
 
+    def router_serving(self, host: str, base: str, key_file: str | None) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]], str]:
+        """The router's own view: available P and D per generation (GET /admin/config `serving`) and its upstreams
+        (GET /admin/upstreams: name, role, state, generation, in_flight); with why it could not be read."""
+        if host not in self.conns:
+            return {}, [], f"no connection to the router node {host}"
+        data, failure = self.router_admin_config(host, base, key_file)
+        if data is None:
+            return {}, [], failure
+        serving = {
+            g: {"prefill": int(c.get("prefill", 0)), "decode": int(c.get("decode", 0))}
+            for g, c in (data.get("serving") or {}).items()
+            if c.get("prefill") or c.get("decode")
+        }
+        answer = probe(self.conns[host], base, ["/admin/upstreams"], 10.0, once=True, bearer_file=key_file)
+        listing: list[dict[str, Any]] = []
+        if not answer.failure:
+            try:
+                listing = [u for u in json.loads(answer.body).get("upstreams", []) if isinstance(u, dict)]
+            except (ValueError, AttributeError):
+                listing = []
+        return serving, listing, ""
+
     def serving_gate(self, op: ops.ServingGate) -> str | None:
-        """The router's own count of available P and D per generation must reach the plan's figure."""
+        """The step's own instances serve in the new generation as the router reports them (op.members); a loss
+        elsewhere is said (progress, the report's last lines), not failed. A plan saved before gates had members: the
+        router's whole count must equal the plan's figure, as then."""
         want = op.expected()
         deadline = time.monotonic() + op.timeout
         got: dict[str, dict[str, int]] = {}
+        missing: list[str] = []
         while True:
-            data, failure = self.router_admin_config(op.host, op.admin_base, op.key_file)
-            if data is not None:
-                got = {
-                    g: {"prefill": int(c.get("prefill", 0)), "decode": int(c.get("decode", 0))}
-                    for g, c in (data.get("serving") or {}).items()
-                    if c.get("prefill") or c.get("decode")
-                }
-                if got == want:
-                    return None
+            got, listing, failure = self.router_serving(op.host, op.admin_base, op.key_file)
+            if not failure:
+                if not op.generation:
+                    if got == want:
+                        return None
+                else:
+                    missing = _not_serving(op, got, listing)
+                    if not missing:
+                        if got != want:
+                            note = (
+                                f"the router serves {_caps_text(got)}, the plan said {_caps_text(want)} after this step: "
+                                "a loss outside the step's nodes, not undone (the roll goes on)"
+                            )
+                            self.progress(op.host, note)
+                            self.report.summary.append(note)
+                        return None
             if time.monotonic() >= deadline:
+                if op.generation and not failure:
+                    return (
+                        f"{', '.join(missing)} not serving in {op.generation[:12]} as the router reports them "
+                        f"(it serves {_caps_text(got)}) after {op.timeout:g}s"
+                    )
                 return f"the router serves {got or failure or 'nothing'}, the plan says {want} (after {op.timeout:g}s)"
             time.sleep(0.5)
 
@@ -780,3 +895,31 @@ def _first(hp: HostPlan, kind: type[OpT]) -> OpT | None:
 
 def _start(step: list[ops.Operation]) -> ops.StartUnit:
     return next(op for op in step if isinstance(op, ops.StartUnit))
+
+
+def _caps_text(caps: dict[str, dict[str, int]]) -> str:
+    return ", ".join(f"{g[:12]} {c.get('prefill', 0)} P + {c.get('decode', 0)} D" for g, c in sorted(caps.items())) or "nothing"
+
+
+def _complete(caps: dict[str, int] | None) -> bool:
+    return caps is not None and caps.get("prefill", 0) > 0 and caps.get("decode", 0) > 0
+
+
+def _not_serving(op: ops.ServingGate, got: dict[str, dict[str, int]], listing: list[dict[str, Any]]) -> list[str]:
+    """The gate's members the router does not report serving in the gate's generation (empty: the gate passes)."""
+    if not op.members:
+        return [] if _complete(got.get(op.generation)) else [f"a P and a D of {op.generation[:12]}"]
+    states = {u.get("name"): u for u in listing}
+    out = []
+    for _, name in op.member_roles():
+        u = states.get(name)
+        if u is None or u.get("state") != "serving" or u.get("generation", op.generation) != op.generation:
+            out.append(f"{name} ({'not listed' if u is None else u.get('state')})")
+    if not out:
+        # Listed as serving, and counted as available (the router checked the engine's release and model).
+        have = got.get(op.generation, {})
+        for role in ("prefill", "decode"):
+            need = sum(1 for r, _ in op.member_roles() if r == role)
+            if have.get(role, 0) < need:
+                out.append(f"{need} {role} available (the router counts {have.get(role, 0)})")
+    return out

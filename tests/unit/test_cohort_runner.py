@@ -42,6 +42,19 @@ class Fleet:
     fail_gate: str | None = None  # an instance whose health gate never passes
     install_report: dict[str, Any] = field(default_factory=dict)  # what the bootstrap's verify step prints
 
+    def listing(self) -> list[dict[str, Any]]:
+        """GET /admin/upstreams: every member of the config with its state and generation."""
+        config = yaml.safe_load(self.router_config) if self.router_config else {}
+        release = {g["id"]: g["vllm"] for g in config.get("generations", [])}
+        out = []
+        for role in ("prefill", "decode"):
+            for member in config.get(role, []):
+                name, gen = member["name"], member.get("generation", "")
+                mismatched = gen in release and self.releases.get(name) != release[gen]
+                state = "mismatched" if mismatched else "drained" if name in self.drained else "serving"
+                out.append({"name": name, "role": role, "state": state, "generation": gen, "in_flight": 0})
+        return out
+
     def serving(self) -> dict[str, dict[str, int]]:
         config = yaml.safe_load(self.router_config) if self.router_config else {}
         release = {g["id"]: g["vllm"] for g in config.get("generations", [])}
@@ -96,7 +109,7 @@ class Node:
             self.fleet.events.append(f"{action} {name}")
             body = json.dumps({"name": name, "state": "drained" if action == "drain" else "healthy"})
         elif path == "/admin/upstreams":
-            body = json.dumps({"upstreams": [{"name": n, "state": "drained"} for n in self.fleet.drained]})
+            body = json.dumps({"upstreams": self.fleet.listing()})
         elif path == "/health" and self.fleet.fail_gate and request["base"].endswith(f":{self.port_of(self.fleet.fail_gate)}"):
             failure = "/health: [Errno 111] Connection refused"
         return CommandResult(0, json.dumps({"failure": failure, "body": body}) + "\n", "")
