@@ -33,7 +33,7 @@ from bpdkv.router.admin import AdminApi, bearer, error
 from bpdkv.router.config import RouterConfig
 from bpdkv.router.engines import STALE_AFTER, load_loop
 from bpdkv.router.intake import CHAT, COMPLETIONS, BadRequest, ClientGone, read_body, sanitize, shape_problem
-from bpdkv.router.messages import MessagesSurface
+from bpdkv.router.messages import COUNT_TOKENS, MessagesSurface, to_chat
 from bpdkv.router.metrics import RouterMetrics
 from bpdkv.router.paths import PathDecision, PathReason, TurnPath
 from bpdkv.router.relay import RelayOutcome, Reply, SseRelay
@@ -177,6 +177,7 @@ class Router:
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route(ResponsesSurface.route + "/{response_id}", self.stored_response, methods=["GET"]),
+                Route(COUNT_TOKENS, self.count_tokens, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
@@ -326,6 +327,34 @@ class Router:
         if found is None:
             return self.responses.error(404, f"Response with id '{response_id}' not found.", "response_id")
         return Response(jsonbytes.dumps(found), media_type="application/json")
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens: checked as a Messages request, then counted by an upstream (vLLM renders the
+        prompt); no turn, nothing stored. Errors in Anthropic's shape."""
+        api = self.surfaces[MessagesSurface.route]
+        if self._tenant(request) is None:
+            return api.error(401, "invalid or missing API key")
+        c = self.config
+        try:
+            body = await read_body(request, c.max_body_bytes, c.max_json_depth, c.client_timeouts.body)
+            to_chat(body, counting=True)
+        except ClientGone:
+            return Response(status_code=499)
+        except (BadRequest, SurfaceError) as bad:
+            self.metrics.rejected.labels(bad.reason).inc()
+            return api.error(bad.status, bad.message)
+        body.pop(contracts.KV_TRANSFER_PARAMS, None)
+        for member in self.prefill.candidates(set()) + self.decode.candidates(set()):
+            try:
+                got = await self.turn.call(member.url + COUNT_TOKENS, body, self._upstream_headers(request), c.timeouts.prefill)
+            except UPSTREAM_ERRORS:
+                continue
+            if got.status >= 500:
+                continue
+            if got.status != 200:
+                return api.error(got.status, upstream_message(got.content))
+            return Response(got.content, media_type="application/json")
+        return api.error(503, "no upstream answered count_tokens")
 
     def publish_serving(self) -> None:
         generations.publish(self.prefill, self.decode, self.metrics)

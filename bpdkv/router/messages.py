@@ -259,11 +259,12 @@ def _tool_choice(body: dict[str, Any], chat: dict[str, Any], names: set[str]) ->
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
-def to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """The Chat Completions body vLLM's /v1/messages would run for this request (400 for what it must not run)."""
+def to_chat(body: dict[str, Any], counting: bool = False) -> dict[str, Any]:
+    """The Chat Completions body vLLM's /v1/messages would run for this request (400 for what it must not run).
+    counting: a count_tokens request (no max_tokens)."""
     model: Any = body.get("model")
     need(isinstance(model, str) and bool(model), "'model' must be a non-empty string", "model")
-    max_tokens: Any = body.get("max_tokens")
+    max_tokens: Any = body.get("max_tokens", 1 if counting else None)
     need(is_int(max_tokens) and max_tokens >= 1, "'max_tokens' must be an integer of at least 1", "max_tokens")
     need(body.get("stream") is None or isinstance(body.get("stream"), bool), "'stream' must be true or false", "stream")
     messages: Any = body.get("messages")

@@ -117,6 +117,7 @@ class VllmEmulator:
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/responses", self.responses, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -314,6 +315,21 @@ class VllmEmulator:
 
     async def messages(self, request: Request) -> Response:
         return await self._agent_api(request, "messages")
+
+    async def count_tokens(self, request: Request) -> Response:
+        """vLLM's /v1/messages/count_tokens: the rendered prompt's tokens."""
+        from bpdkv.router.messages import to_chat
+        from bpdkv.router.surface import SurfaceError
+
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            chat = to_chat(body, counting=True)
+        except SurfaceError as refused:
+            return vllm_error(refused.status, refused.message, refused.param)
+        tokens = self.chat_tokens(chat["messages"], chat.get("tools"))
+        return JSONResponse({"input_tokens": len(tokens), "context_management": {"original_input_tokens": len(tokens)}})
 
     async def responses(self, request: Request) -> Response:
         return await self._agent_api(request, "responses")

@@ -409,3 +409,13 @@ def test_conversion_is_vllms() -> None:
     assert chat["tools"][0]["function"]["parameters"] == TOOLS[0]["input_schema"]
     with pytest.raises(SurfaceError):
         to_chat({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "ftp"}}]}]})
+
+
+def test_count_tokens_through_the_router(fleet: tuple[Fleet, str]) -> None:
+    f, ref_url = fleet
+    messages = [{"role": "user", "content": "How many tokens is this?"}]
+    counted = client(f.url).messages.count_tokens(model="emulated", system=SYSTEM, messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    reference = client(ref_url).messages.count_tokens(model="emulated", system=SYSTEM, messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    assert counted.input_tokens == reference.input_tokens > 0
+    bad = httpx.post(f.url + "/v1/messages/count_tokens", json={"model": "emulated", "messages": [{"role": "tool"}]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["type"] == "error"
