@@ -73,8 +73,9 @@ class ResponsesSurface:
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
     @staticmethod
-    def record_key(tenant: str, response_id: str) -> str:
-        return "resp:" + hashlib.blake2b(f"{tenant}\x00{response_id}".encode(), digest_size=16).hexdigest()
+    def record_prefix(tenant: str) -> str:
+        """Where a tenant's responses are kept: its hash (also the Redis Cluster hash tag: a chain is in one slot)."""
+        return "resp:{" + hashlib.blake2b(tenant.encode(), digest_size=12).hexdigest() + "}:"
 
     async def parse(self, body: dict[str, Any], headers: dict[str, str], tenant: str) -> ChatTurn:
         chat, history, context = to_chat(body)
@@ -82,8 +83,8 @@ class ResponsesSurface:
         earlier: list[dict[str, Any]] = []
         if previous is not None:
             need(isinstance(previous, str) and bool(previous), "'previous_response_id' must be a non-empty string", "previous_response_id")
-            record = await self._read(tenant, previous)
-            if record is None:
+            chain = await self._chain(tenant, previous)
+            if chain is None:
                 raise SurfaceError(
                     400,
                     f"Previous response with id '{previous}' not found.",
@@ -91,44 +92,60 @@ class ResponsesSurface:
                     "previous_response_id",
                     "previous_response_not_found",
                 )
-            earlier = list(record.get("history") or [])
+            for record in reversed(chain):
+                earlier += record["messages"]
         _check_calls(earlier + history)
         system = [{"role": "system", "content": context["instructions"]}] if context.get("instructions") else []
         chat["messages"] = system + earlier + history
         need(bool(chat["messages"]), "'input' must not be empty", "input")
-        context.update(tenant=tenant, history=earlier + history, previous_response_id=previous)
+        context.update(tenant=tenant, own=history, previous_response_id=previous)
         return ChatTurn(chat, body.get("stream") is True, None, context)
 
-    async def _read(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+    async def _chain(self, tenant: str, response_id: str) -> list[dict[str, Any]] | None:
+        """The stored records of a chain ending in response_id, newest first; None when any of it is gone."""
         try:
-            raw: Any = await self._store().get_record(self.record_key(tenant, response_id))
+            values, complete = await self._store().get_chain(self.record_prefix(tenant), response_id, RESPONSE_TTL_S)
         except sessions.StoreUnavailable:
             raise SurfaceError(
                 503, "the router's response store is unavailable; send the whole input instead", "store_unavailable"
             ) from None
-        if raw is None:
+        if not complete or not values:
             return None
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            return None
-        return record if isinstance(record, dict) else None
+        records = []
+        for value in values:
+            try:
+                record = json.loads(value)
+            except ValueError:
+                return None
+            if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+                return None
+            records.append(record)
+        return records
 
     async def stored(self, tenant: str, response_id: str) -> dict[str, Any] | None:
         """GET /v1/responses/{id}: the response as it was answered (a stored one, of this tenant)."""
-        record = await self._read(tenant, response_id)
-        response = record.get("response") if record else None
+        try:
+            raw = await self._store().get_record(self.record_prefix(tenant) + response_id)
+        except sessions.StoreUnavailable:
+            raise SurfaceError(503, "the router's response store is unavailable", "store_unavailable") from None
+        try:
+            record = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        response = record.get("response") if isinstance(record, dict) else None
         return response if isinstance(response, dict) else None
 
     async def _keep(self, turn: ChatTurn, response: dict[str, Any]) -> None:
-        """A stored response, with the conversation it ends, for previous_response_id (before the client sees it)."""
+        """A stored response, for previous_response_id (before the client sees it): its parent's id and the messages it
+        adds to the conversation (its own input after the instructions, its output as an assistant message) — a chain
+        is its records' messages in order, so each turn stores only what it adds."""
         if not turn.context.get("store", True):
             return
-        history = list(turn.context["history"]) + items_to_messages(response["output"], [])
-        record = {"history": history, "response": response}
+        messages = list(turn.context["own"]) + items_to_messages(response["output"], [])
+        record = {"parent": turn.context.get("previous_response_id"), "messages": messages, "response": response}
         try:
             await self._store().put_record(
-                self.record_key(turn.context["tenant"], response["id"]), json.dumps(record, ensure_ascii=False).encode(), RESPONSE_TTL_S
+                self.record_prefix(turn.context["tenant"]) + response["id"], json.dumps(record, ensure_ascii=False).encode(), RESPONSE_TTL_S
             )
         except sessions.StoreUnavailable:
             pass  # answered anyway; continuing from this id will say it is not found (the client may send the input)

@@ -413,7 +413,26 @@ class SessionStore(Protocol):
 
     async def get_record(self, key: str) -> bytes | None: ...
 
+    async def get_chain(self, prefix: str, first: str, ttl: float) -> tuple[list[bytes], bool]:
+        """The records of a chain, newest first: prefix + first, then prefix + its `parent` (a JSON record's string
+        field), and so on, each kept ttl seconds more (a chain lives as long as it is continued); at most
+        MAX_CHAIN_RECORDS. (records, complete): complete is False when a record of the chain is missing (expired,
+        evicted) or the chain is longer than that."""
+        ...
+
     async def close(self) -> None: ...
+
+
+MAX_CHAIN_RECORDS = 10_000  # records of one previous_response_id chain the store walks
+RECORD_BYTES_MAX = 256 * 1024 * 1024  # MemoryStore: records beyond this many bytes go, least recently written first
+
+
+def _parent(value: bytes) -> str | None:
+    try:
+        parent = json.loads(value).get("parent")
+    except (ValueError, AttributeError):
+        return None
+    return parent if isinstance(parent, str) else None
 
 
 class MemoryStore:
@@ -423,20 +442,43 @@ class MemoryStore:
         self._data: dict[str, SessionEntry] = {}
         self._released: dict[str, float] = {}  # key -> until (router clock)
         self._ends: dict[str, tuple[float, float]] = {}  # key -> (ended_at, expires_at) of its latest turn
-        self._records: dict[str, tuple[float, bytes]] = {}  # key -> (expires_at, value), oldest first
+        self._records: dict[str, tuple[float, bytes]] = {}  # key -> (expires_at, value), least recently written first
+        self._record_bytes = 0
         self._max = max_entries
         self._clock = clock
 
     async def put_record(self, key: str, value: bytes, ttl: float) -> None:
         now = self._clock()
-        self._records.pop(key, None)
+        self._drop_record(key)
         self._records[key] = (now + ttl, value)
-        while self._records and (len(self._records) > self._max or next(iter(self._records.values()))[0] <= now):
-            del self._records[next(iter(self._records))]
+        self._record_bytes += len(value)
+        while self._records and (
+            len(self._records) > self._max or self._record_bytes > RECORD_BYTES_MAX or next(iter(self._records.values()))[0] <= now
+        ):
+            self._drop_record(next(iter(self._records)))
+
+    def _drop_record(self, key: str) -> None:
+        gone = self._records.pop(key, None)
+        if gone is not None:
+            self._record_bytes -= len(gone[1])
 
     async def get_record(self, key: str) -> bytes | None:
         found = self._records.get(key)
         return found[1] if found is not None and found[0] > self._clock() else None
+
+    async def get_chain(self, prefix: str, first: str, ttl: float) -> tuple[list[bytes], bool]:
+        out: list[bytes] = []
+        record_id: str | None = first
+        now = self._clock()
+        while record_id is not None and len(out) < MAX_CHAIN_RECORDS:
+            key = prefix + record_id
+            found = self._records.get(key)
+            if found is None or found[0] <= now:
+                return out, False
+            self._records[key] = (max(found[0], now + ttl), found[1])  # continued: kept longer (its place stays)
+            out.append(found[1])
+            record_id = _parent(found[1])
+        return out, record_id is None
 
     async def mark_released(self, keys: list[str], ttl: float) -> None:
         now = self._clock()
@@ -516,6 +558,7 @@ class MemoryStore:
     async def close(self) -> None:
         self._data.clear()
         self._records.clear()
+        self._record_bytes = 0
 
 
 # Compare-and-delete: the take of one worker never removes an entry another worker stored in between.
@@ -542,6 +585,25 @@ end
 return {0, false, left}
 """
 
+
+# A previous_response_id chain in one round trip: each record read and kept longer, then its parent's (KEYS[1] is the
+# chain's key prefix, which carries the tenant's hash tag: every key of one chain is in one slot).
+CHAIN = """
+local out = {}
+local id = ARGV[1]
+local ttl = tonumber(ARGV[2])
+for i = 1, tonumber(ARGV[3]) do
+  local key = KEYS[1] .. id
+  local v = redis.call('GET', key)
+  if not v then return {0, out} end
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  out[#out + 1] = v
+  local ok, record = pcall(cjson.decode, v)
+  if not ok or type(record) ~= 'table' or type(record['parent']) ~= 'string' then return {1, out} end
+  id = record['parent']
+end
+return {0, out}
+"""
 
 _ENTRY_FIELDS = tuple(f.name for f in fields(SessionEntry))
 
@@ -714,6 +776,12 @@ class RedisStore:
     async def get_record(self, key: str) -> bytes | None:
         value = await self._call(self._redis.execute("GET", self.RECORDS + key))
         return None if value is None else bytes(value)
+
+    async def get_chain(self, prefix: str, first: str, ttl: float) -> tuple[list[bytes], bool]:
+        complete, values = await self._call(
+            self._redis.script(CHAIN, [self.RECORDS + prefix], [first, max(int(ttl * 1000), 1), MAX_CHAIN_RECORDS])
+        )
+        return [bytes(v) for v in values or ()], bool(complete)
 
     async def count(self) -> int:
         total = 0

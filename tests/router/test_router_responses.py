@@ -275,3 +275,71 @@ def test_chain_across_routers_and_restart_with_redis(redis_server: dict[str, Any
         assert more.previous_response_id == through[-1]["id"] and more.status in ("completed", "incomplete")
     finally:
         stop_fleet(again)
+
+
+def _record(parent: str | None) -> bytes:
+    return json.dumps({"parent": parent, "messages": [{"role": "user", "content": "m"}]}).encode()
+
+
+async def _chain_checks(store: Any, advance: Any) -> None:
+    """A chain is read whole, newest first; reading it keeps every record of it longer; a missing record breaks it."""
+    await store.put_record("p:a", _record(None), 10)
+    await store.put_record("p:b", _record("a"), 10)
+    await store.put_record("p:c", _record("b"), 10)
+    values, complete = await store.get_chain("p:", "c", 10)
+    assert complete and [json.loads(v)["parent"] for v in values] == ["b", "a", None]
+    await advance(6)
+    assert (await store.get_chain("p:", "c", 10))[1]  # read at 6 s: every record kept 10 s from now
+    await advance(6)  # 12 s after they were written, 6 s after the read
+    values, complete = await store.get_chain("p:", "c", 10)
+    assert complete and len(values) == 3
+    await store.put_record("p:b", _record("a"), 0.001)  # the middle record expires
+    await advance(0.05)
+    values, complete = await store.get_chain("p:", "c", 10)
+    assert not complete and len(values) == 1
+    assert (await store.get_chain("p:", "nope", 10)) == ([], False)
+
+
+def test_chain_records_in_memory() -> None:
+    import asyncio
+
+    now = [1000.0]
+    store = sessions.MemoryStore(clock=lambda: now[0])
+
+    async def advance(seconds: float) -> None:
+        now[0] += seconds
+
+    asyncio.run(_chain_checks(store, advance))
+
+
+def test_chain_records_in_redis(redis_server: dict[str, Any]) -> None:
+    import asyncio
+
+    async def main() -> None:
+        store = sessions.RedisStore(redis_server["url"])
+
+        async def advance(seconds: float) -> None:
+            await asyncio.sleep(seconds)
+
+        # Redis keeps real time: the TTL in these checks is 10 s, read back at 6 s and 12 s (18 s in all would be
+        # too slow here); the same checks with a 1 s scale.
+        scaled = _Scaled(store, 0.1)
+        try:
+            await _chain_checks(scaled, lambda s: advance(s * 0.1))
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+class _Scaled:
+    """A store whose TTLs are scaled (the Redis check of _chain_checks in a tenth of its time)."""
+
+    def __init__(self, store: Any, factor: float) -> None:
+        self.store, self.factor = store, factor
+
+    async def put_record(self, key: str, value: bytes, ttl: float) -> None:
+        await self.store.put_record(key, value, ttl * self.factor if ttl > 0.01 else ttl)
+
+    async def get_chain(self, prefix: str, first: str, ttl: float) -> tuple[list[bytes], bool]:
+        return await self.store.get_chain(prefix, first, ttl * self.factor)  # type: ignore[no-any-return]
