@@ -471,7 +471,7 @@ class ResponseStream:
     """D's chat chunks → the Responses event stream: response.created, response.in_progress; per output item
     response.output_item.added, its deltas (response.reasoning_text.delta; response.content_part.added and
     response.output_text.delta; response.function_call_arguments.delta), their .done events and
-    response.output_item.done; then response.completed (response.incomplete when max_output_tokens cut it). Each
+    response.output_item.done; then response.completed (its status `incomplete` when max_output_tokens cut it). Each
     event carries its sequence_number. The response is stored (previous_response_id) before its last event goes out."""
 
     def __init__(self, surface: ResponsesSurface, turn: ChatTurn) -> None:
@@ -591,8 +591,9 @@ class ResponseStream:
         out += self._close()
         response = self._snapshot("incomplete" if self.finish_reason == "length" else "completed")
         await self.surface._keep(self.turn, response)
-        name = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return out + self._event(name, {"response": response})
+        # response.completed whatever the status (`incomplete` when max_output_tokens cut it, inside): what vLLM sends,
+        # and the only end the openai SDK's stream helper accepts (get_final_response).
+        return out + self._event("response.completed", {"response": response})
 
     def failed(self, message: str) -> bytes:
         self.done = True
