@@ -2,7 +2,8 @@
 
 Each host: a network namespace on a private bridge (10.213.0.0/24, no default route inside, and an
 `unreachable` route outside so test traffic can never leave), new mount/PID/UTS/IPC namespaces, a tiny init as
-PID 1 that runs sshd and reaps orphans, per-host directories bind-mounted over the paths a deploy writes
+PID 1 that runs sshd, reaps orphans and restarts units whose main process died as their Restart= says
+(bpdkv/lab/supervisor.py: systemd's part the service manager lacks), per-host directories bind-mounted over the paths a deploy writes
 (/etc/bpdkv, /opt/bpdkv, /etc/systemd/system, /var/lib/bpdkv, /var/log) and docker-systemctl-replacement
 bound over /usr/bin/systemctl so `systemctl` really runs units. Never real systemd as PID 1 (it would clean the
 machine's shared /tmp). Everything started here is ended by PID on stop(), which also removes the hosts' own
@@ -34,6 +35,13 @@ INIT = r"""#!/usr/bin/python3
 # which stamps an entry when it receives it, a thread notes every 0.1 s the arrival time of each new line
 # (<unit>.log.times: one line per log line, microseconds since the epoch). journalctl reads them.
 import glob, os, signal, subprocess, sys, threading, time
+
+# What systemd would do for a unit whose main process dies (Restart=, RestartSec=, the start limit): bpdkv/lab/supervisor.py.
+sys.path.insert(0, os.environ["BPDKV_LAB"])
+import supervisor as restart_supervisor
+
+SUPERVISOR = restart_supervisor.Supervisor()
+threading.Thread(target=SUPERVISOR.watch, daemon=True).start()
 
 
 def stamp_journal():
@@ -73,11 +81,15 @@ sshd = subprocess.Popen(sys.argv[1:])
 signal.signal(signal.SIGTERM, lambda *a: (sshd.terminate(), sys.exit(0)))
 while True:
     try:
-        pid, _ = os.wait()
+        pid, status = os.wait()
     except ChildProcessError:
         sys.exit(0)
     if pid == sshd.pid:
         sys.exit(0)
+    try:
+        SUPERVISOR.reaped(pid, status)
+    except Exception as exc:  # never let the supervisor take the host's init down
+        SUPERVISOR.log(f"supervisor error: {type(exc).__name__}: {exc}")
 """
 
 HOST_SETUP = r"""set -e
@@ -247,6 +259,7 @@ class TestHosts:
         if not self.key.exists():
             _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "bpdkv-testhosts", "-f", str(self.key)])
         (self.base / "init.py").write_text(INIT)
+        (self.base / "supervisor.py").write_text((Path(__file__).parent / "supervisor.py").read_text())
         (self.base / "host-setup.sh").write_text(HOST_SETUP)
         replacement = _systemctl_replacement()
         assert replacement is not None
@@ -410,6 +423,24 @@ class TestHosts:
         children = subprocess.run(["pgrep", "-P", str(host.pid)], capture_output=True, text=True).stdout.split()
         target = children[0] if children else str(host.pid)
         return subprocess.run(["nsenter", "-t", target, "-a", "sh", "-c", command], capture_output=True, text=True, timeout=timeout)
+
+    def main_pid(self, host: TestHost, unit: str) -> int | None:
+        """The unit's main process as the service manager recorded it (MainPID in /run/<unit>.status), if running."""
+        out = self.exec(host, f"sed -n 's/^MainPID=//p' /run/{unit}.status 2>/dev/null").stdout.strip()
+        pid = int(out) if out.isdigit() else None
+        if pid is None or self.exec(host, f"kill -0 {pid}").returncode != 0:
+            return None
+        return pid
+
+    def kill_unit(self, host: TestHost, unit: str) -> int:
+        """SIGKILL a unit's main process and its whole tree, as the kernel's OOM killer and systemd's cgroup clean-up
+        would; returns the killed main pid. The host's supervisor then restarts it as its Restart= says."""
+        pid = self.main_pid(host, unit)
+        if pid is None:
+            raise RuntimeError(f"{host.name}: {unit} has no running main process")
+        tree = f"p={pid}; all=$p; while [ -n \"$p\" ]; do p=$(pgrep -P \"$(echo $p | tr ' ' ',')\" | tr '\\n' ' '); all=\"$all $p\"; done; kill -9 $all"
+        self.exec(host, tree)
+        return pid
 
     def stop(self, quiet: bool = False) -> None:
         names = [h.name for h in self.hosts] or [f"host{i}" for i in range(1, self.count + 9)]
