@@ -335,6 +335,7 @@ def status(fleet: Fleet, parallel: int, connect: ConnectorFactory | None = None,
     """The same facts and the same planner as `plan`: an instance drifts exactly when the plan would change it."""
     plan = plan_fleet(fleet, False, parallel, connect)
     by_host = {h.host: h for h in plan.hosts}
+    refused = router_refusals(fleet)
 
     def one(node: Node) -> list[InstanceStatus]:
         facts = fleet.facts[node.name]
@@ -354,6 +355,8 @@ def status(fleet: Fleet, parallel: int, connect: ConnectorFactory | None = None,
                 base, paths = health_probe(inst.role, fleet.topology.router, "127.0.0.1", inst.port)
                 answer = probe(fleet.conns[node.name], base, paths, health_timeout, 0.3)
                 health = "ok" if answer.failure is None else answer.failure
+                if health == "ok" and inst.name in refused:
+                    health = refused[inst.name]  # it answers, but the router does not use it: not ok
             rows.append(InstanceStatus(node.name, inst.name, inst.role, inst.unit, state, health, drift, facts.versions))
         return rows
 
@@ -364,6 +367,36 @@ def status(fleet: Fleet, parallel: int, connect: ConnectorFactory | None = None,
             return [InstanceStatus(node.name, i.name, i.role, i.unit, "unreachable", exc.reason, [], {}) for i in node.instances]
 
     return [row for rows in for_each_host(list(fleet.topology.nodes), guarded, parallel) for row in rows]
+
+
+def refusals(listing: Any) -> dict[str, str]:
+    """Engines the router refuses to use (GET /admin/upstreams `state` mismatched: not of their generation), with why."""
+    out: dict[str, str] = {}
+    for u in listing.get("upstreams", []) if isinstance(listing, dict) else []:
+        if isinstance(u, dict) and u.get("state") == "mismatched" and u.get("name"):
+            out[str(u["name"])] = f"refused by the router: not of its generation ({u.get('problem') or 'another release or model'})"
+    return out
+
+
+def router_refusals(fleet: Fleet) -> dict[str, str]:
+    """What the running router says of the engines it refuses (status); nothing when no router runs or it cannot say."""
+    from bpdkv.deploy.planner import _admin_key_file, _router
+    from bpdkv.secret_refs import router_base
+
+    router = _router(fleet.topology, fleet.facts)
+    if router is None or router[0] not in fleet.conns:
+        return {}
+    base = router_base(fleet.topology.router, "127.0.0.1", router[1])
+    try:
+        answer = probe(fleet.conns[router[0]], base, ["/admin/upstreams"], 10.0, once=True, bearer_file=_admin_key_file(fleet.topology))
+    except ConnectorError:
+        return {}
+    if answer.failure:
+        return {}
+    try:
+        return refusals(json.loads(answer.body))
+    except ValueError:
+        return {}
 
 
 # ---- destroy ---------------------------------------------------------------------------------------------------------

@@ -203,3 +203,19 @@ def test_a_failed_step_is_paused_not_rolled_back_when_its_generation_is_the_only
     _, report = sim.apply()
     assert report.exit_code == 0, report.failed_lines()
     assert_finished(sim)
+
+
+def test_status_is_not_ok_for_an_engine_the_router_refuses() -> None:
+    from bpdkv.deploy.fleet import refusals
+
+    listing = {
+        "upstreams": [
+            {"name": "prefill-1", "state": "mismatched", "problem": "runs vLLM 0.32.0; its generation d63e80f42b64 is vLLM 0.31.0"},
+            {"name": "decode-1", "state": "serving"},
+            {"name": "decode-0", "state": "drained"},
+        ]
+    }
+    assert refusals(listing) == {
+        "prefill-1": "refused by the router: not of its generation (runs vLLM 0.32.0; its generation d63e80f42b64 is vLLM 0.31.0)"
+    }
+    assert refusals({"upstreams": "nonsense"}) == {} and refusals([]) == {}
