@@ -42,25 +42,28 @@ COMPLETIONS = "/v1/completions"
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of the process and every thread, from /proc (the engine runs inside the API server here)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def server_pid(server: VllmServer) -> int:
-    """The Python server under `timeout`."""
-    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
-    return int(children[0]) if children else server.proc.pid
+def group_cpu_seconds(pgid: int) -> float:
+    """utime + stime of every process in the server's process group (the API server and its EngineCore process, each
+    with all its threads), from /proc."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended while we read
+        if int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / TICK
+    return total
 
 
 def idle_cores(servers: list[VllmServer], seconds: float) -> dict[str, float]:
-    pids = {s.name: server_pid(s) for s in servers}
-    before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+    """Cores each server used over `seconds`; its process group is its `timeout` wrapper's pid (start_new_session)."""
+    groups = {s.name: s.proc.pid for s in servers}
+    before = {name: group_cpu_seconds(pgid) for name, pgid in groups.items()}
     start = time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - start
-    return {name: round((process_cpu_seconds(pid) - before[name]) / elapsed, 4) for name, pid in pids.items()}
+    return {name: round((group_cpu_seconds(pgid) - before[name]) / elapsed, 4) for name, pgid in groups.items()}
 
 
 def prompt_of(conversation: int, length: int) -> list[int]:

@@ -31,7 +31,10 @@ from typing import Any
 log = logging.getLogger("vllm.bpdkv_plugin")
 
 IDLE_WAIT_KEY = "bpdkv_idle_wait"  # kv_connector_extra_config: seconds (0: upstream's loop, which spins while holding)
-IDLE_WAIT_S = 0.05  # longest wait between two steps of an engine that only holds KV (a TTL's resolution; stats delay)
+# Longest wait between two steps of an engine that only holds KV (a TTL's resolution; a reader's done-notification
+# frees its blocks at most this late; stats delay). 0.2 s: a holding vLLM-CPU engine's steps cost ~0.008 of a core
+# (0.05 s cost 0.03: benchmarks/results/quiet_engines); new requests, pins and releases wake it at once.
+IDLE_WAIT_S = 0.2
 ENGINE_CLASSES = ("EngineCoreProc", "EngineCore")
 _state = threading.Lock()
 _queues: list[queue.Queue[Any]] = []  # the engine's input queue, once its loop ran a patched step (one per process)

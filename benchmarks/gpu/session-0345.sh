@@ -1,0 +1,114 @@
+#!/bin/bash
+# GPU session of 2026-12-06 (one H100 or H200, vLLM 0.34.0 staged by ../shared's build-chunks-0.34.sh, no patch): run on
+# the lent machine after chunks 1-4, from the checkout root, one device call per step, back to back.
+#   tier:  chunk 5's install, then the host-tier example (examples/h200-shared-qwen3-8b-host-tier.yaml) as rendered:
+#          does it serve (issue 46: every request failed on "Connector 'BpdkvNixlConnector' is not registered")?
+#          A short agentic load through the router, streamed and not; errors, tokens pulled, the log lines that matter.
+#   quiet: the shared-GPU example (h200-shared-qwen3-8b.yaml) twice, fresh engines each: bpdkv's default (NIXL's
+#          progress thread waits on events) and `bpdkv_nixl_progress_delay_us: 0` (NIXL's busy poll, set by hand in the
+#          rendered launch scripts): each engine's CPU (all its processes) idle and while D holds, and the pulls' NIXL
+#          transfer time on the same short workload (issue 45 item 1).
+# Changed by hand for the lent machine (both examples): model.path /tmp/qwen3-8b (a config.json only: dummy weights),
+# vllm.venv /tmp/gpuvenv (launch-rendered.sh's wrapper of the staged site), --load-format dummy --skip-tokenizer-init
+# --enforce-eager (CUDA graphs untested on the machine's torch 2.11), VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer not
+# staged). P and D share the one GPU in every figure. Results under $OUT/<step>/.
+set -uo pipefail
+step=$1
+RUN=.gpu-stage-034/run
+L="bash $RUN/launch-rendered.sh"
+res=$OUT/$step
+mkdir -p "$res"
+. /tmp/site/env.sh 2>/dev/null || true
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+
+lent() {  # lent EXAMPLE OUT: the example with the lent machine's settings
+  python3 - "$1" "$2" <<'EOF'
+import sys, yaml
+doc = yaml.safe_load(open(sys.argv[1]))
+doc.setdefault("model", {})["path"] = "/tmp/qwen3-8b"
+vllm = doc.setdefault("vllm", {})
+vllm["venv"] = "/tmp/gpuvenv"
+vllm["extra_args"] = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager"]
+vllm["env"] = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)
+EOF
+}
+
+cpu_of() {  # cpu_of SECONDS: cores used by each instance's processes (its process group) over SECONDS
+  python3 - "$1" <<'EOF'
+import os, sys, time, glob
+tick = os.sysconf("SC_CLK_TCK")
+groups = {os.path.basename(f)[:-4]: int(open(f).read()) for f in glob.glob("/tmp/bpdkv-run/*.pid")}
+def cpu():
+    out = dict.fromkeys(groups, 0.0)
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        for name, pgid in groups.items():
+            if int(fields[2]) == pgid:
+                out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+a, t = cpu(), time.monotonic()
+time.sleep(float(sys.argv[1]))
+b, dt = cpu(), time.monotonic() - t
+print({k: round((b[k] - a[k]) / dt, 4) for k in sorted(groups)})
+EOF
+}
+
+metrics() {  # metrics LABEL: the figures of P and D that matter here
+  for port in 8100 8200; do
+    curl -s localhost:$port/metrics | grep -E "^vllm:(prompt_tokens_by_source_total|nixl_xfer_time_seconds_(sum|count)|nixl_bytes_transferred_(sum|count)|bpdkv_(decision|verified|pin_granted|pin_refused|hold_released)[a-z_]*)" | grep -v _created | sed "s/^/$1 :$port /"
+  done
+}
+
+bench() {  # bench NAME ARGS...: a short load through the router; its JSON report and its headline
+  python3 -m bpdkv.cli bench http://127.0.0.1:8000 --conversations 4 --turns 3 --system-tokens 500 --start-history 3000 \
+    --new-tokens 150 --output-tokens 64 --concurrency 4 --metrics http://127.0.0.1:8100,http://127.0.0.1:8200 \
+    --out "$res/$1.json" "${@:2}" > "$res/$1.txt" 2>&1
+  echo "bench $1: rc $?"; tail -n 25 "$res/$1.txt"
+}
+
+fleet() {  # fleet TOPOLOGY [busy]: render, (busy: NIXL's busy poll by hand), start, wait
+  rm -rf /tmp/render && python3 -m bpdkv.cli render "$1" --out /tmp/render > /dev/null || return 1
+  if [ "${2:-}" = busy ]; then
+    sed -i 's/"kv_connector_extra_config":{"backends"/"kv_connector_extra_config":{"bpdkv_nixl_progress_delay_us":0,"backends"/' /tmp/render/gpu-box/opt/bpdkv/bin/*.sh
+    grep -c bpdkv_nixl_progress_delay_us /tmp/render/gpu-box/opt/bpdkv/bin/*.sh
+  fi
+  MODEL_CONFIG=$RUN/qwen3-8b-config.json $L start /tmp/render/gpu-box && $L wait 420
+}
+
+keep_logs() { mkdir -p "$res/logs-$1" && cp /tmp/bpdkv-run/*.log "$res/logs-$1/" 2>/dev/null; }
+
+case $step in
+  tier)
+    bash .gpu-stage-034/5/install.sh || exit 1
+    . /tmp/site/env.sh
+    lent examples/h200-shared-qwen3-8b-host-tier.yaml $RUN/tier.yaml
+    if fleet $RUN/tier.yaml; then
+      bench tier-stream --reuse on --paths auto --stream
+      bench tier-nostream --reuse on --paths auto --no-stream --seed 1
+      metrics tier | tee "$res/metrics.txt"
+    fi
+    grep -h "not registered\|Traceback\|Error\|bpdkv: NIXL progress\|hold budget\|Backend UCX\|OffloadingConnector\|MultiConnector" /tmp/bpdkv-run/*.log | sort | uniq -c | sort -rn | head -n 40
+    keep_logs tier
+    $L stop
+    ;;
+  quiet)
+    lent examples/h200-shared-qwen3-8b.yaml $RUN/shared.yaml
+    for mode in event busy; do
+      echo "== $mode"
+      if fleet $RUN/shared.yaml "$([ $mode = busy ] && echo busy)"; then
+        sleep 5
+        echo "idle, $mode: $(cpu_of 20)" | tee -a "$res/cpu.txt"
+        bench "quiet-$mode" --reuse on --paths pull-only --prefill-cache off
+        echo "after the load (D holds), $mode: $(cpu_of 20)" | tee -a "$res/cpu.txt"
+        metrics "$mode" | tee -a "$res/metrics.txt"
+      fi
+      grep -h "bpdkv: NIXL progress" /tmp/bpdkv-run/*.log | sort | uniq -c
+      keep_logs "$mode"
+      $L stop
+    done
+    ;;
+esac
