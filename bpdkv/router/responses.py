@@ -361,7 +361,16 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]],
             "max_output_tokens": max_out,
             "temperature": body.get("temperature"),
             "top_p": body.get("top_p"),
-            "tools": body.get("tools") or [],
+            "tools": [
+                {
+                    "type": "function",
+                    "name": t["function"]["name"],
+                    "description": t["function"]["description"],
+                    "parameters": t["function"]["parameters"],
+                    "strict": t["function"].get("strict"),
+                }
+                for t in tools or []
+            ],
             "tool_choice": choice if choice is not None else "auto",
             "parallel_tool_calls": parallel if parallel is not None else True,
             "metadata": body.get("metadata") or {},

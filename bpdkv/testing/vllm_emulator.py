@@ -358,11 +358,13 @@ class VllmEmulator:
         if isinstance(body.get(contracts.KV_TRANSFER_PARAMS), dict):
             chat_body[contracts.KV_TRANSFER_PARAMS] = body[contracts.KV_TRANSFER_PARAMS]
         problem = validate_chat(chat_body) or self._validate_common(chat_body)
-        if problem is not None:
-            return problem
         tools = chat_body.get("tools") if isinstance(chat_body.get("tools"), list) else None
-        served = await self._serve(chat_body, self.chat_tokens(chat_body["messages"], tools), chat=True)
+        served = problem or await self._serve(chat_body, self.chat_tokens(chat_body["messages"], tools), chat=True)
         if served.status_code != 200:
+            if api == "messages":  # vLLM's /v1/messages answers its service errors in Anthropic's shape
+                error = json.loads(bytes(served.body)).get("error") or {}
+                shaped = {"error": {"message": error.get("message"), "type": error.get("type")}, "type": "error"}
+                return JSONResponse(shaped, status_code=served.status_code)
             return served
         if isinstance(served, StreamingResponse):
             translator = surface.translator(turn)
