@@ -344,3 +344,48 @@ class _Scaled:
 
     async def get_chain(self, prefix: str, first: str, ttl: float) -> tuple[list[bytes], bool]:
         return await self.store.get_chain(prefix, first, ttl * self.factor)  # type: ignore[no-any-return]
+
+
+def test_chain_across_the_workers_of_a_real_router(tmp_path: Any) -> None:
+    """`bpdkv router` with two worker processes (SO_REUSEPORT) and its own redis-server: a 10-turn previous_response_id
+    chain, each turn on a new connection, is served by both workers, every turn continues the chain and from turn 2
+    reuses D's KV."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from tests.router.test_router_workers import _metrics_dir, _start_router, _stop, _worker_pids
+
+    p = VllmEmulator(EmulatorSettings(role="prefill", prefix_caching=False))
+    d = VllmEmulator(EmulatorSettings(role="decode"))
+    group = ServerGroup([p.app, d.app])
+    urls = group.start()
+    proc, port, _ = _start_router(tmp_path, urls, workers=2)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        previous = None
+        for turn in range(10):
+            kwargs: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+            answer = client(url).responses.create(model="emulated", input=f"turn {turn}", max_output_tokens=8, **kwargs)  # a new connection
+            assert answer.previous_response_id == previous
+            previous = answer.id
+        text = httpx.get(url + "/metrics", timeout=10).text
+        from bpdkv.prometheus_text import metric_value
+
+        assert metric_value(text, "bpdkv_router_api_turns_total", {"api": "responses", "reuse": "hit"}) == 9
+        served: dict[int, float] = {}
+        metrics_dir = _metrics_dir(_worker_pids(proc)[0])
+        for counter in metrics_dir.glob("counter_*.db"):
+            alone = tmp_path / f"worker-{counter.stem}"
+            alone.mkdir()
+            (alone / counter.name).write_bytes(counter.read_bytes())
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, str(alone))
+            served[int(counter.stem.split("_")[1])] = (
+                registry.get_sample_value("bpdkv_router_requests_total", {"route": "/v1/responses", "status": "200"}) or 0
+            )
+        assert len([n for n in served.values() if n > 0]) == 2 and sum(served.values()) == 10, (
+            served
+        )  # both workers: 2**-9 to fail by chance
+    finally:
+        _stop(proc)
+        group.stop()
