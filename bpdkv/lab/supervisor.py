@@ -237,9 +237,16 @@ class Supervisor:
             f"{unit}: main process {pid} {how}; restarting in {policy.restart_sec:g} s (restart {count})"
             + (f"; ended {left} process(es) it left" if left else "")
         )
-        threading.Thread(target=self._restart_later, args=(unit, policy, count), daemon=True).start()
+        threading.Thread(target=self._restart_later, args=(unit, policy, count, self.unit_stamp(unit)), daemon=True).start()
 
-    def _restart_later(self, unit: str, policy: RestartPolicy, count: int) -> None:
+    def unit_stamp(self, unit: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(os.path.join(self.unit_dir, unit))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _restart_later(self, unit: str, policy: RestartPolicy, count: int, stamp: tuple[int, int] | None = None) -> None:
         time.sleep(policy.restart_sec)
         state = self.is_active(unit)
         if state != "failed":
@@ -247,6 +254,9 @@ class Supervisor:
             return
         if self.unit_policy(unit) is None:
             self.log(f"{unit}: not restarted: its unit file is gone")
+            return
+        if stamp is not None and self.unit_stamp(unit) != stamp:
+            self.log(f"{unit}: not restarted: its unit file was replaced meanwhile (a new deploy starts it)")
             return
         if not self.limit.allow(unit, policy, self.clock()):
             self.log(
