@@ -307,6 +307,20 @@ def to_chat(body: dict[str, Any], counting: bool = False) -> dict[str, Any]:
             budget = thinking.get("budget_tokens")
             need(is_int(budget) and budget >= 1, "thinking.budget_tokens must be a positive integer", "thinking")
             chat["thinking_token_budget"] = budget
+    output = optional(body, "output_config", lambda v: isinstance(v, dict), "an object")
+    if output is not None:  # as vLLM maps it: a JSON schema format → response_format, effort → reasoning_effort
+        fmt = output.get("format")
+        schema = fmt.get("schema", fmt.get("json_schema")) if isinstance(fmt, dict) else None
+        if fmt is not None:
+            need(isinstance(schema, dict), "output_config.format needs a JSON Schema object ('schema')", "output_config")
+            chat["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": str(fmt.get("type") or "json_schema"), "schema": schema},
+            }
+        effort = output.get("effort")
+        if effort is not None:
+            need(isinstance(effort, str), "output_config.effort must be a string", "output_config")
+            chat["reasoning_effort"] = effort
     optional(body, "metadata", lambda v: isinstance(v, dict), "an object")
     # vLLM's own extensions of the request (the prompt's template and its cache isolation)
     kwargs = optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")

@@ -419,3 +419,26 @@ def test_count_tokens_through_the_router(fleet: tuple[Fleet, str]) -> None:
     assert counted.input_tokens == reference.input_tokens > 0
     bad = httpx.post(f.url + "/v1/messages/count_tokens", json={"model": "emulated", "messages": [{"role": "tool"}]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["type"] == "error"
+
+
+def test_output_config_as_vllm_maps_it() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    chat = to_chat(
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "x"}],
+            "output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "low"},
+        }
+    )
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    assert chat["reasoning_effort"] == "low"
+    with pytest.raises(SurfaceError):
+        to_chat(
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "x"}],
+                "output_config": {"format": {"type": "json_schema"}},
+            }
+        )
