@@ -442,3 +442,32 @@ def test_output_config_as_vllm_maps_it() -> None:
                 "output_config": {"format": {"type": "json_schema"}},
             }
         )
+
+
+def test_huge_and_deep_bodies_are_4xx_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Over the body limit (413) and nested past the depth limit (400), on both surfaces: each API's error shape, one
+    log line per refusal, no upstream asked."""
+    f = make_fleet(router_changes={"max_body_bytes": 4096, "max_json_depth": 16})
+    try:
+        cases = [
+            ("/v1/messages", {"model": "emulated", "max_tokens": 5, "messages": [{"role": "user", "content": "x" * 5000}]}, 413),
+            (
+                "/v1/messages",
+                {"model": "emulated", "max_tokens": 5, "messages": [{"role": "user", "content": json.loads("[" * 20 + "]" * 20)}]},
+                400,
+            ),
+            ("/v1/responses", {"model": "emulated", "input": "x" * 5000}, 413),
+            ("/v1/responses", {"model": "emulated", "input": json.loads("[" * 20 + "]" * 20)}, 400),
+        ]
+        for route, body, status in cases:
+            caplog.clear()
+            with caplog.at_level("INFO", logger="bpdkv.router"):
+                resp = httpx.post(f.url + route, json=body, timeout=30)
+            assert resp.status_code == status, resp.text
+            data = resp.json()
+            assert data["error"]["message"] and (data.get("type") == "error") == (route == "/v1/messages")
+            lines = [r for r in caplog.records if r.name == "bpdkv.router" and "refused" in r.getMessage()]
+            assert len(lines) == 1 and route in lines[0].getMessage(), [r.getMessage() for r in caplog.records]
+        assert not f.prefill[0].requests and not f.decode[0].requests
+    finally:
+        stop_fleet(f)
