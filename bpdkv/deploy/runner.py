@@ -447,6 +447,11 @@ class Runner:
         return data
 
     def drain(self, op: ops.Drain) -> None:
+        """Drain and wait until nothing of it is in flight. An instance the router does not route to (a spare restarted
+        by a killed roll before its surge put it in the router's config) has nothing to drain."""
+        listed = any(u.get("name") == op.instance for u in self.admin(op, "").get("upstreams", []))
+        if not listed:
+            return
         self.admin(op, "drain")
         deadline = time.monotonic() + self.options.drain_timeout
         while True:

@@ -19,6 +19,7 @@ from bpdkv.deploy.facts import MANIFEST_PATH
 from bpdkv.deploy.operations import TMP_SUFFIX
 from bpdkv.deploy.runner import HostStatus
 from tests.unit.roll_sim import FakeClock, Killed, Sim
+from tests.unit.test_cohort_plan import with_spare
 
 TOTAL_P = TOTAL_D = 2  # the lab's roll: host1 and host2 run one P and one D each, host3 the router
 
@@ -43,11 +44,12 @@ def assert_finished(sim: Sim) -> None:
     for name, host in sim.hosts.items():
         assert host.manifest is not None and host.manifest["compat"] == json.loads(json.dumps(host.manifest["compat"]))
         assert host.lock is None, name
+        spare = any(n.name == name and getattr(n, "spare", False) for n in new.nodes)
         for instance, runs in host.engines.items():
-            assert runs == upgrade.NEW, (name, instance, runs, sim.events[-20:])
+            assert runs == (None if spare else upgrade.NEW), (name, instance, runs, sim.events[-20:])  # a spare: stopped again
     final = next(a for a in sim.new_artifacts if a.path == sim.router_path)
     assert sim.hosts["host3"].files[sim.router_path][0] == final.content
-    assert not sim.drained, sim.drained
+    assert not sim.drained & {u["name"] for u in sim.listing()}, sim.drained
     gen = next(iter(g["id"] for g in sim.router_config()["generations"]))
     assert sim.serving() == {gen: {"prefill": TOTAL_P, "decode": TOTAL_D}}
     again = sim.plan_now()
@@ -73,12 +75,18 @@ def test_a_whole_roll_without_faults_keeps_the_capacity_the_plan_allows(tmp_path
     assert report.summary[-1] == f"serving now (the router's count): vLLM {upgrade.NEW} ({plan.roll.new}) 2 P + 2 D"
 
 
-def test_sigkill_after_every_operation_then_plan_and_apply_force_unlock_finish_the_roll(tmp_path: Path) -> None:
-    """Exhaustive: every kill point of a whole roll (each command or upload sent to a node is one operation)."""
-    total = calls_of_a_whole_roll(tmp_path / "count")
+@pytest.mark.parametrize("spare", [False, True], ids=["two nodes", "two nodes and a spare"])
+def test_sigkill_after_every_operation_then_plan_and_apply_force_unlock_finish_the_roll(tmp_path: Path, spare: bool) -> None:
+    """Exhaustive: every kill point of a whole roll (each command or upload sent to a node is one operation). With a
+    spare: surge, two splits, retire."""
+    docs = (with_spare(upgrade.topology(upgrade.OLD)), with_spare(upgrade.topology(upgrade.NEW))) if spare else (None, None)
+    whole = Sim.deployed(tmp_path / "count", *docs)
+    _, report = whole.apply()
+    assert report.exit_code == 0, report.failed_lines()
+    total = whole.calls
     assert total > 40
     for k in range(1, total):  # after the last one there is nothing left to kill
-        sim = Sim.deployed(tmp_path / f"k{k}")
+        sim = Sim.deployed(tmp_path / f"k{k}", *docs)
         sim.kill_after = k
         with pytest.raises(Killed):
             sim.apply()
