@@ -249,7 +249,8 @@ import urllib.request
 for unit, port in sorted(req.get("engines", {}).items()):
     try:
         with urllib.request.urlopen("http://127.0.0.1:%d/version" % port, timeout=2) as answer:
-            out["engines"][unit] = str(json.loads(answer.read()).get("version")) or None
+            said = json.loads(answer.read()).get("version")
+        out["engines"][unit] = said if isinstance(said, str) and said else None
     except Exception:
         out["engines"][unit] = None
 print(json.dumps(out))

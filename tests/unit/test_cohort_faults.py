@@ -227,3 +227,32 @@ def test_status_is_not_ok_for_an_engine_the_router_refuses() -> None:
         "prefill-1": "refused by the router: not of its generation (runs vLLM 0.32.0; its generation d63e80f42b64 is vLLM 0.31.0)"
     }
     assert refusals({"upstreams": "nonsense"}) == {} and refusals([]) == {}
+
+
+def test_the_deploy_state_fact_reads_each_engines_release(tmp_path: Path) -> None:
+    """The fact a resumed plan relies on, run for real here: GET /version of each engine unit's port; no answer: None."""
+    import http.server
+    import subprocess
+    import threading
+
+    from bpdkv.deploy.facts import DeployState
+
+    class Version(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"version": "0.32.0+cpu"}).encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Version)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fact = DeployState(
+            [], [], str(tmp_path / "no-venv"), (), {"bpdkv-decode-1.service": server.server_address[1], "bpdkv-prefill-1.service": 1}
+        )
+        out = subprocess.run(["sh", "-c", fact.command], capture_output=True, text=True, timeout=60)
+        assert fact.parse(out.stdout)["engines"] == {"bpdkv-decode-1.service": "0.32.0+cpu", "bpdkv-prefill-1.service": None}
+    finally:
+        server.shutdown()
