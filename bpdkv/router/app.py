@@ -176,7 +176,7 @@ class Router:
         self._starlette = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
-                Route(ResponsesSurface.route + "/{response_id}", self.stored_response, methods=["GET"]),
+                Route(ResponsesSurface.route + "/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
                 Route(COUNT_TOKENS, self.count_tokens, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
@@ -315,13 +315,19 @@ class Router:
         return error(503, "no upstream answered /v1/models")
 
     async def stored_response(self, request: Request) -> Response:
-        """GET /v1/responses/{id}: a stored response of this tenant, as it was answered (404 in OpenAI's shape)."""
+        """GET /v1/responses/{id}: a stored response of this tenant, as it was answered; DELETE: it is forgotten (a
+        chain through it ends there). 404 in OpenAI's shape."""
         tenant = self._tenant(request)
         if tenant is None:
             return self.responses.error(401, "invalid or missing API key")
         response_id = request.path_params["response_id"]
         try:
-            found = await self.responses.stored(tenant, response_id)
+            if request.method == "DELETE":
+                if await self.responses.delete(tenant, response_id):
+                    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+                found = None
+            else:
+                found = await self.responses.stored(tenant, response_id)
         except SurfaceError as refused:
             return self.responses.error(refused.status, refused.message, refused.param, refused.code)
         if found is None:

@@ -135,6 +135,13 @@ class ResponsesSurface:
         response = record.get("response") if isinstance(record, dict) else None
         return response if isinstance(response, dict) else None
 
+    async def delete(self, tenant: str, response_id: str) -> bool:
+        """DELETE /v1/responses/{id}: whether this tenant's stored response was there. A chain through it ends there."""
+        try:
+            return await self._store().delete_record(self.record_prefix(tenant) + response_id)
+        except sessions.StoreUnavailable:
+            raise SurfaceError(503, "the router's response store is unavailable", "store_unavailable") from None
+
     async def _keep(self, turn: ChatTurn, response: dict[str, Any]) -> None:
         """A stored response, for previous_response_id (before the client sees it): its parent's id and the messages it
         adds to the conversation (its own input after the instructions, its output as an assistant message) — a chain

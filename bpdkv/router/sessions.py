@@ -413,6 +413,10 @@ class SessionStore(Protocol):
 
     async def get_record(self, key: str) -> bytes | None: ...
 
+    async def delete_record(self, key: str) -> bool:
+        """Whether a record was there (and now is not)."""
+        ...
+
     async def get_chain(self, prefix: str, first: str, ttl: float) -> tuple[list[bytes], bool]:
         """The records of a chain, newest first: prefix + first, then prefix + its `parent` (a JSON record's string
         field), and so on, each kept ttl seconds more (a chain lives as long as it is continued); at most
@@ -465,6 +469,11 @@ class MemoryStore:
     async def get_record(self, key: str) -> bytes | None:
         found = self._records.get(key)
         return found[1] if found is not None and found[0] > self._clock() else None
+
+    async def delete_record(self, key: str) -> bool:
+        live = await self.get_record(key) is not None
+        self._drop_record(key)
+        return live
 
     async def get_chain(self, prefix: str, first: str, ttl: float) -> tuple[list[bytes], bool]:
         out: list[bytes] = []
@@ -776,6 +785,9 @@ class RedisStore:
     async def get_record(self, key: str) -> bytes | None:
         value = await self._call(self._redis.execute("GET", self.RECORDS + key))
         return None if value is None else bytes(value)
+
+    async def delete_record(self, key: str) -> bool:
+        return bool(await self._call(self._redis.execute("DEL", self.RECORDS + key)))
 
     async def get_chain(self, prefix: str, first: str, ttl: float) -> tuple[list[bytes], bool]:
         complete, values = await self._call(

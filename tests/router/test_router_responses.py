@@ -148,6 +148,12 @@ def test_chain_equals_stateless_and_reuses(fleet: tuple[Fleet, str], stream: boo
     assert f.metric("bpdkv_router_api_turns_total", api="responses", path="prefill_pull", reuse="hit") - hits >= 3
     got = client(f.url).responses.retrieve(through[-1]["id"])
     assert got.id == through[-1]["id"] and comparable(got.model_dump()) == comparable(through[-1])
+    # Deleted, the middle of the chain ends every chain through it; deleted again (or never stored): 404.
+    client(f.url).responses.delete(through[1]["id"])
+    with pytest.raises(openai.BadRequestError):
+        client(f.url).responses.create(model="emulated", input="more", previous_response_id=through[-1]["id"])
+    with pytest.raises(openai.NotFoundError):
+        client(f.url).responses.delete(through[1]["id"])
 
 
 def test_stream_event_sequence(fleet: tuple[Fleet, str]) -> None:
