@@ -471,3 +471,54 @@ def test_huge_and_deep_bodies_are_4xx_with_one_log_line(caplog: pytest.LogCaptur
         assert not f.prefill[0].requests and not f.decode[0].requests
     finally:
         stop_fleet(f)
+
+
+def test_render_of_thoughts_stop_strings_and_their_stream() -> None:
+    """A chat answer with a thought, text and a matched stop string: a thinking block, a text block, stop_sequence —
+    whole, and streamed (thinking_delta then a signature_delta before the block stops)."""
+    import asyncio
+
+    from bpdkv.router.messages import MessageStream, render_message
+
+    answer = {
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "stop_reason": "END",
+                "message": {"role": "assistant", "content": "ok", "reasoning": "hmm"},
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3},
+    }
+    whole = render_message(answer, "m")
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text"] and whole["content"][0]["thinking"] == "hmm"
+    assert (whole["stop_reason"], whole["stop_sequence"]) == ("stop_sequence", "END")
+    assert whole["usage"] == {"input_tokens": 7, "output_tokens": 3}
+    stream = MessageStream("m")
+    chunks = [
+        {"model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning": "hm"}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning": "m"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop", "stop_reason": "END"}]},
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}},
+    ]
+    raw = stream.feed(chunks) + asyncio.run(stream.finish())
+    events = [json.loads(e.split(b"\n")[1][6:]) for e in raw.split(b"\n\n") if e]
+    kinds = [e["type"] + (":" + e["delta"]["type"] if e["type"] == "content_block_delta" else "") for e in events]
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta:thinking_delta",
+        "content_block_delta:thinking_delta",
+        "content_block_delta:signature_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta:text_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert events[-2]["usage"] == {"input_tokens": 7, "output_tokens": 3}

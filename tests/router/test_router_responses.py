@@ -395,3 +395,43 @@ def test_chain_across_the_workers_of_a_real_router(tmp_path: Any) -> None:
     finally:
         _stop(proc)
         group.stop()
+
+
+def test_reasoning_stream_events() -> None:
+    """A thought streams as a reasoning item (reasoning_text deltas), then the message; the final response holds both."""
+    import asyncio
+
+    from bpdkv.router.responses import ResponsesSurface, to_chat
+    from bpdkv.router.surface import ChatTurn
+
+    chat, history, context = to_chat({"model": "m", "input": "q", "store": False})
+    context.update(tenant="t", own=history, previous_response_id=None)
+    stream = ResponsesSurface(lambda: sessions.MemoryStore()).translator(ChatTurn(chat, True, None, context))
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning": "th"}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning": "ink"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "done"}, "finish_reason": "stop"}]},
+    ]
+    raw = stream.feed(chunks) + asyncio.run(stream.finish())
+    events = [json.loads(e.split(b"\n")[1][6:]) for e in raw.split(b"\n\n") if e]
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"] and final["output"][0]["content"][0]["text"] == "think"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
