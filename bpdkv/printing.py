@@ -119,7 +119,10 @@ def roll_lines(roll: Any) -> list[str]:
             "recorded it): counted in the new generation, not restarted"
         )
     undrained = f"; undrain {', '.join(u.instance for u in roll.undrains)}" if roll.undrains else ""
-    lines.append(f"step 0 prepare: the router learns both generations (config {roll.prepare.digest}){undrained}")
+    if roll.steps:
+        lines.append(f"step 0 prepare: the router learns both generations (config {roll.prepare.digest}){undrained}")
+    else:  # every node serves the new release already (a resumed roll): only the router and the records are left
+        lines.append(f"step 0: the router serves every node in the new generation (config {roll.prepare.digest}){undrained}")
     for i, s in enumerate(roll.steps, 1):
         what = {
             "surge": "start the new generation on the spare node(s)",
