@@ -4,6 +4,10 @@
 #   tier:  chunk 5's install, then the host-tier example (examples/h200-shared-qwen3-8b-host-tier.yaml) as rendered:
 #          does it serve (issue 46: every request failed on "Connector 'BpdkvNixlConnector' is not registered")?
 #          A short agentic load through the router, streamed and not; errors, tokens pulled, the log lines that matter.
+#   wall:  the HBM wall (issue 46), one call per fleet: `wall-tier` the host-tier example, `wall-hbm` the shared example
+#          (HBM only), each fresh, the same agentic load (12 conversations x 5 turns, 4-16K-token first prompts, tool
+#          results, documents: histories ~2x one engine's HBM KV), reuse on with per-turn paths; `wall-hbm` then reuse off
+#          on the same servers with fresh prompts (bench --reuse both).
 #   quiet: the shared-GPU example (h200-shared-qwen3-8b.yaml) twice, fresh engines each: bpdkv's default (NIXL's
 #          progress thread waits on events) and `bpdkv_nixl_progress_delay_us: 0` (NIXL's busy poll, set by hand in the
 #          rendered launch scripts): each engine's CPU (all its processes) idle and while D holds, and the pulls' NIXL
@@ -93,6 +97,23 @@ case $step in
     fi
     grep -h "not registered\|Traceback\|Error\|bpdkv: NIXL progress\|hold budget\|Backend UCX\|OffloadingConnector\|MultiConnector" /tmp/bpdkv-run/*.log | sort | uniq -c | sort -rn | head -n 40
     keep_logs tier
+    $L stop
+    ;;
+  wall-tier|wall-hbm)
+    [ -f /tmp/site/env.sh ] || bash .gpu-stage-034/5/install.sh || exit 1
+    . /tmp/site/env.sh
+    ex=examples/h200-shared-qwen3-8b.yaml; [ $step = wall-tier ] && ex=examples/h200-shared-qwen3-8b-host-tier.yaml
+    lent $ex $RUN/$step.yaml
+    if fleet $RUN/$step.yaml; then
+      reuse=on; [ $step = wall-hbm ] && reuse=both
+      python3 -m bpdkv.cli bench http://127.0.0.1:8000 --workload agentic --conversations 12 --turns 5 --concurrency 12 \
+        --output-tokens 128 --paths auto --reuse $reuse --metrics http://127.0.0.1:8100,http://127.0.0.1:8200 \
+        --decode-metrics http://127.0.0.1:8200 --seed 7 --out "$res/$step.json" > "$res/$step.txt" 2>&1
+      echo "bench $step: rc $?"; tail -n 40 "$res/$step.txt"
+      metrics "$step" | tee "$res/metrics.txt"
+    fi
+    grep -h "not registered\|Traceback\|KV cache usage\|hold budget\|KV Transfer metrics" /tmp/bpdkv-run/*.log | tail -n 12 | cut -c1-400
+    keep_logs "$step"
     $L stop
     ;;
   quiet)
