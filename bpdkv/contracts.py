@@ -112,6 +112,11 @@ EXTRA_PULL_DECISION: Final = "bpdkv_pull_decision"  # bpdkv's (P): PULL_DECISION
 EXTRA_COST_SEED: Final = (
     "bpdkv_cost_seed"  # bpdkv's (P): its cost model's seed from `bpdkv calibrate` (topology kv_transfer.pull_cost_seed)
 )
+# bpdkv's (P): where `bpdkv apply` writes the links it measured after its gates (bpdkv/vllm_plugin/seedfile.py); P
+# watches it. Rendered for every prefill instance as LINK_SEED_DIR/<instance>/LINK_SEED_NAME.
+EXTRA_LINK_SEED_FILE: Final = "bpdkv_link_seed_file"
+LINK_SEED_DIR: Final = "/var/lib/bpdkv"
+LINK_SEED_NAME: Final = "link-seed.json"
 # The host-memory tier (topology kv_host_memory_gib): vLLM 0.34's own OffloadingConnector beside the NIXL connector in a
 # MultiConnector (vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py: kv_connector_extra_config
 # "connectors", a list of whole connector configs, loads from the first that matches tokens, saves to all).

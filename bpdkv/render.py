@@ -21,7 +21,7 @@ from bpdkv.topology.model import Instance, Node, Topology
 UNIT_DIR = "/etc/systemd/system"
 CONFIG_DIR = "/etc/bpdkv"
 BIN_DIR = "/opt/bpdkv/bin"
-STATE_DIR = "/var/lib/bpdkv"
+STATE_DIR = contracts.LINK_SEED_DIR  # instances' state (WorkingDirectory), the link seed included
 # Seconds systemd waits for a stop before SIGKILL; vLLM's engine + NIXL teardown takes well under a minute.
 STOP_TIMEOUT = 120
 BPDKV_CONNECTOR_MODULE = "bpdkv.vllm_plugin.connector"
@@ -83,6 +83,8 @@ def kv_transfer_config(topology: Topology, instance: Instance, node: Node) -> di
             extra[contracts.EXTRA_COST_SEED] = kv.pull_cost_seed
         if instance.role == "prefill" and kv.pull_decision is not None:  # unset: the plugin's own default
             extra[contracts.EXTRA_PULL_DECISION] = kv.pull_decision
+        if instance.role == "prefill":  # where apply writes the links it measured; P watches it (vllm_plugin/seedfile.py)
+            extra[contracts.EXTRA_LINK_SEED_FILE] = f"{contracts.LINK_SEED_DIR}/{instance.name}/{contracts.LINK_SEED_NAME}"
     if instance.kv_host_memory_gib:
         return with_host_tier(config, instance)
     return config

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bpdkv import contracts
-from bpdkv.vllm_plugin import cost, decide, digests, fence, handshake, hold, idle, quiet
+from bpdkv.vllm_plugin import cost, decide, digests, fence, handshake, hold, idle, quiet, seedfile
 from bpdkv.vllm_plugin.compat import NixlConnector, StatsBase, base_prom_metrics, log_notes, require_supported, skips_external_kv
 
 require_supported()
@@ -343,6 +343,11 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if self._decision_mode not in contracts.PULL_DECISIONS:
             raise ValueError(f"{cost.DECISION_KEY} must be one of {', '.join(contracts.PULL_DECISIONS)}, got {self._decision_mode!r}")
         self._book = cost.Book.from_config(extra)
+        # The links `bpdkv apply` measured after its gates (seedfile.py): P's prior until it measures them itself.
+        seed_path = extra.get(contracts.EXTRA_LINK_SEED_FILE)
+        max_age = float(extra.get(seedfile.MAX_AGE_KEY, seedfile.DEFAULT_MAX_AGE_S))
+        self._seed_file = seedfile.SeedFile(str(seed_path), max_age) if seed_path else None
+        self._poll_seed()
         kv_cache_config = getattr(self, "_kv_cache_config", None) or next((a for a in args if hasattr(a, "kv_cache_groups")), None)
         self._bytes_per_block = _bytes_per_block(vllm_config, kv_cache_config, self._block_size)
         self._pulls: dict[str, _Pull] = {}  # request id → the pull being measured
@@ -442,6 +447,7 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
             reason = cost.Reason.ASKED if params.get(contracts.PULL_ALWAYS) else cost.Reason.THRESHOLD_ONLY
             choice = cost.Choice(cost.Outcome.PULLED, reason, offered, predicted)
         else:
+            self._poll_seed()
             engine = str(params.get(contracts.REMOTE_ENGINE_ID))  # a new one on this link (a restart): the shortest pull
             choice = self._book.decide(key, req, now, _hint(params.get(contracts.LINK_ESTIMATE)), engine)
         log.debug("bpdkv cost model for %s from %s: %s", rid, key, choice)
@@ -455,6 +461,24 @@ class BpdkvNixlConnector(NixlConnector):  # type: ignore[misc,valid-type]
         engine = str(params.get(contracts.REMOTE_ENGINE_ID))
         self._pulls[rid] = _Pull(key, engine, nbytes, choice.predicted_pull_s, now, choice.outcome is cost.Outcome.PROBE)
         return choice
+
+    def _poll_seed(self) -> None:
+        loaded = self._seed_file.poll() if self._seed_file is not None else None
+        if loaded is None:
+            return
+        try:
+            self._book.apply_seed(loaded.seed, contracts.EXTRA_LINK_SEED_FILE)
+        except ValueError as exc:
+            log.warning("bpdkv link seed %s not used: %s", self._seed_file.path if self._seed_file else "", exc)
+            return
+        links = loaded.seed.get("links") or {}
+        log.info(
+            "bpdkv link seed (measured %.0f s ago): P's prefill %s tokens/s; %s",
+            loaded.age_s,
+            loaded.seed.get("prefill_tokens_per_s", "?"),
+            ", ".join(f"{k}: {v.get('bytes_per_s', 0) / 1e6:.1f} MB/s + {v.get('overhead_s', 0) * 1e3:.1f} ms" for k, v in links.items())
+            or "no link",
+        )
 
     def _decline(self, params: dict[str, Any], choice: cost.Choice) -> None:
         """Compute locally: D need not keep the blocks for the TTL; its fence lets them go at once."""

@@ -443,26 +443,45 @@ class Book:
         seed = extra.get(SEED_KEY) or {}
         if not isinstance(seed, dict):
             raise ValueError(f"{SEED_KEY} must be a mapping, got {seed!r}")
+        book.apply_seed(seed, SEED_KEY)
+        return book
+
+    def apply_seed(self, seed: dict[str, Any], where: str) -> None:
+        """Take a seed (`bpdkv calibrate`'s, or the one `bpdkv apply` measures and writes per P: contracts.EXTRA_LINK_SEED_FILE)
+        as the prior of what P has not measured itself: P's prefill rate while it has computed nothing, each named link
+        while P has pulled nothing from it. What P measured always wins. A bad value raises ValueError naming `where`."""
         rate = seed.get("prefill_tokens_per_s")
+        compute: Fit | None = None
         if rate is not None:
-            if not isinstance(rate, (int, float)) or rate <= 0:
-                raise ValueError(f"{SEED_KEY}.prefill_tokens_per_s must be a positive number, got {rate!r}")
-            book.compute = Estimate(seeded=Fit(0.0, 1.0 / float(rate)), rate_only=True)
-        for host, values in (seed.get("links") or {}).items():
+            if not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate <= 0:
+                raise ValueError(f"{where}.prefill_tokens_per_s must be a positive number, got {rate!r}")
+            compute = Fit(0.0, 1.0 / float(rate))
+        links: dict[str, Fit] = {}
+        raw = seed.get("links") or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}.links must be a mapping, got {raw!r}")
+        for host, values in raw.items():
             try:
                 r, a = float(values["bytes_per_s"]), float(values.get("overhead_s", 0.0))
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{SEED_KEY}.links.{host}: needs bytes_per_s (and overhead_s), got {values!r}") from None
-            if r <= 0 or a < 0:
-                raise ValueError(f"{SEED_KEY}.links.{host}: bytes_per_s must be positive and overhead_s not negative")
-            book.seed_links[str(host)] = Fit(a, 1.0 / r)
-        return book
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise ValueError(f"{where}.links.{host}: needs bytes_per_s (and overhead_s), got {values!r}") from None
+            if not (r > 0 and a >= 0 and math.isfinite(r) and math.isfinite(a)):
+                raise ValueError(f"{where}.links.{host}: bytes_per_s must be positive and overhead_s not negative")
+            links[str(host)] = Fit(a, 1.0 / r)
+        if compute is not None:
+            if not self.compute.samples:
+                self.compute = Estimate(seeded=compute, rate_only=True)
+        self.seed_links.update(links)
+        for key, link in self.links.items():  # links P met before the seed came: seeded unless P measured them
+            fit = links.get(key) or links.get(key.rpartition(":")[0] or key) or links.get("*")
+            if fit is not None and not link.estimate.samples:
+                link.estimate = Estimate(prior_intercept=fit.intercept, seeded=fit)
 
     def link(self, key: str) -> Link:
         found = self.links.get(key)
         if found is None:
             host = key.rpartition(":")[0] or key
-            seed = self.seed_links.get(host) or self.seed_links.get("*")
+            seed = self.seed_links.get(key) or self.seed_links.get(host) or self.seed_links.get("*")
             estimate = Estimate(prior_intercept=seed.intercept if seed else 0.0, seeded=seed)
             found = self.links[key] = Link(estimate, probe_interval=self.probe_interval)
         return found
