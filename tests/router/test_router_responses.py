@@ -353,8 +353,8 @@ class _Scaled:
 
 
 def test_chain_across_the_workers_of_a_real_router(tmp_path: Any) -> None:
-    """`bpdkv router` with two worker processes (SO_REUSEPORT) and its own redis-server: a 10-turn previous_response_id
-    chain, each turn on a new connection, is served by both workers, every turn continues the chain and from turn 2
+    """`bpdkv router` with two worker processes (SO_REUSEPORT) and its own redis-server: a previous_response_id
+    chain of 10 turns or more, each on a new connection, is served by both workers, every turn continues the chain and from turn 2
     reuses D's KV."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
@@ -368,30 +368,37 @@ def test_chain_across_the_workers_of_a_real_router(tmp_path: Any) -> None:
     proc, port, _ = _start_router(tmp_path, urls, workers=2)
     try:
         url = f"http://127.0.0.1:{port}"
-        previous = None
-        for turn in range(10):
-            kwargs: dict[str, Any] = {"previous_response_id": previous} if previous else {}
-            answer = client(url).responses.create(model="emulated", input=f"turn {turn}", max_output_tokens=8, **kwargs)  # a new connection
-            assert answer.previous_response_id == previous
-            previous = answer.id
-        text = httpx.get(url + "/metrics", timeout=10).text
         from bpdkv.prometheus_text import metric_value
 
-        assert metric_value(text, "bpdkv_router_api_turns_total", {"api": "responses", "reuse": "hit"}) == 9
-        served: dict[int, float] = {}
-        metrics_dir = _metrics_dir(_worker_pids(proc)[0])
-        for counter in metrics_dir.glob("counter_*.db"):
-            alone = tmp_path / f"worker-{counter.stem}"
-            alone.mkdir()
-            (alone / counter.name).write_bytes(counter.read_bytes())
-            registry = CollectorRegistry()
-            MultiProcessCollector(registry, str(alone))
-            served[int(counter.stem.split("_")[1])] = (
-                registry.get_sample_value("bpdkv_router_requests_total", {"route": "/v1/responses", "status": "200"}) or 0
-            )
-        assert len([n for n in served.values() if n > 0]) == 2 and sum(served.values()) == 10, (
-            served
-        )  # both workers: 2**-9 to fail by chance
+        def served_by_worker() -> dict[int, float]:
+            served: dict[int, float] = {}
+            metrics_dir = _metrics_dir(_worker_pids(proc)[0])
+            for counter in metrics_dir.glob("counter_*.db"):
+                alone = tmp_path / f"worker-{counter.stem}-{len(list(tmp_path.iterdir()))}"
+                alone.mkdir()
+                (alone / counter.name).write_bytes(counter.read_bytes())
+                registry = CollectorRegistry()
+                MultiProcessCollector(registry, str(alone))
+                served[int(counter.stem.split("_")[1])] = (
+                    registry.get_sample_value("bpdkv_router_requests_total", {"route": "/v1/responses", "status": "200"}) or 0
+                )
+            return served
+
+        # SO_REUSEPORT spreads new connections by a hash: no turn count makes both workers certain. So the chain goes on,
+        # 10 turns at a time, until both have served (a bound of 60 turns: 2**-59 to fail by chance).
+        previous, turns, served = None, 0, {}
+        while turns < 60 and (turns < 10 or len([n for n in served.values() if n > 0]) < 2):
+            for _ in range(10):
+                kwargs: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+                answer = client(url).responses.create(
+                    model="emulated", input=f"turn {turns}", max_output_tokens=8, **kwargs
+                )  # a new connection
+                assert answer.previous_response_id == previous
+                previous, turns = answer.id, turns + 1
+            served = served_by_worker()
+        text = httpx.get(url + "/metrics", timeout=10).text
+        assert metric_value(text, "bpdkv_router_api_turns_total", {"api": "responses", "reuse": "hit"}) == turns - 1
+        assert len([n for n in served.values() if n > 0]) == 2 and sum(served.values()) == turns, served
     finally:
         _stop(proc)
         group.stop()
