@@ -265,7 +265,11 @@ def print_status(result: Any, topology: str, output: str) -> None:
         table.add_row(
             r.node, r.instance, r.role, r.unit, f"[{ok}]{r.state}[/]", f"[{ok}]{r.health}[/]", ", ".join(r.drift) or "-", versions or "-"
         )
-    Console(highlight=False).print(table)
+    console = Console(highlight=False)
+    console.print(table)
+    for r in result.rows:  # each P's links as apply measured them (the seed its cost model starts from)
+        for line in getattr(r, "links", []):
+            console.print(f"{r.instance} {line}")
 
 
 def calibration_progress(prefill_url: str, decode_url: str, sizes: list[int], repeat: int) -> Any:

@@ -8,12 +8,13 @@ import os
 import shlex
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bpdkv.deploy import hardware
+from bpdkv.deploy import hardware, linkseed
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import CREATED_MARKER, Wheelhouse, build_bpdkv_wheel, source_digest
 from bpdkv.deploy.connectors import Connector, ConnectorError, probe
@@ -325,6 +326,7 @@ class InstanceStatus:
     health: str
     drift: list[str]
     versions: dict[str, str]
+    links: list[str] = field(default_factory=list)  # a prefill's links as apply measured them (its seed): rate, overhead, age
 
     @property
     def healthy(self) -> bool:
@@ -357,7 +359,11 @@ def status(fleet: Fleet, parallel: int, connect: ConnectorFactory | None = None,
                 health = "ok" if answer.failure is None else answer.failure
                 if health == "ok" and inst.name in refused:
                     health = refused[inst.name]  # it answers, but the router does not use it: not ok
-            rows.append(InstanceStatus(node.name, inst.name, inst.role, inst.unit, state, health, drift, facts.versions))
+            links: list[str] = []
+            if inst.role == "prefill" and fleet.topology.kv_transfer.connector == "bpdkv":
+                seed = fleet.conns[node.name].run(f"cat {shlex.quote(linkseed.seed_path(inst.name))} 2>/dev/null || true").stdout
+                links = linkseed.status_lines(seed, time.time())
+            rows.append(InstanceStatus(node.name, inst.name, inst.role, inst.unit, state, health, drift, facts.versions, links))
         return rows
 
     def guarded(node: Node) -> list[InstanceStatus]:

@@ -139,3 +139,64 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))
+
+
+def report_lines(prefill: str, decodes: tuple[str, ...], result: dict[str, Any] | str) -> list[str]:
+    """Apply's lines for one P's measurement: per pair the rate and overhead measured, or why there is none."""
+    fallback = "P learns it from live pulls"
+    if isinstance(result, str):
+        return [f"link {prefill}→{d}: not measured ({result}); {fallback}" for d in decodes]
+    raw_pairs, raw_seed = result.get("pairs"), result.get("seed")
+    pairs: dict[str, Any] = raw_pairs if isinstance(raw_pairs, dict) else {}
+    rate = raw_seed.get("prefill_tokens_per_s") if isinstance(raw_seed, dict) else None
+    lines = []
+    for d in decodes:
+        found = pairs.get(d)
+        entry: dict[str, Any] = found if isinstance(found, dict) else {}
+        if "bytes_per_s" in entry:
+            lines.append(
+                f"link {prefill}→{d}: {float(entry['bytes_per_s']) / 1e6:,.1f} MB/s + {float(entry.get('overhead_s', 0)) * 1e3:.1f} ms "
+                f"per pull{f', P computes {float(rate):,.0f} tokens/s' if rate else ''} (seed written for {prefill})"
+            )
+        else:
+            why = entry.get("error") or "no result for this pair"
+            lines.append(f"link {prefill}→{d}: not measured ({why}); {fallback}")
+    return lines
+
+
+def status_lines(text: str, now_wall: float) -> list[str]:
+    """`bpdkv status`: a prefill's seed file (as `cat` printed it) as one line per pair — rate, overhead, age — or why
+    there is none."""
+    if not text.strip():
+        return ["links: not measured (no seed yet: apply measures them after its gates)"]
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return ["links: the seed file is not JSON (apply rewrites it)"]
+    if not isinstance(doc, dict) or not isinstance(doc.get("pairs"), dict):
+        return ["links: the seed file names no pairs (apply rewrites it)"]
+    measured = doc.get("measured_at")
+    age = (
+        _age(now_wall - float(measured)) if isinstance(measured, (int, float)) and not isinstance(measured, bool) else "at an unknown time"
+    )
+    lines = []
+    for name, entry in sorted(doc["pairs"].items()):
+        if isinstance(entry, dict) and "bytes_per_s" in entry:
+            lines.append(
+                f"→{name}: {float(entry['bytes_per_s']) / 1e6:,.1f} MB/s + {float(entry.get('overhead_s', 0)) * 1e3:.1f} ms per pull, "
+                f"measured {age}"
+            )
+        else:
+            why = entry.get("error") if isinstance(entry, dict) else None
+            lines.append(f"→{name}: not measured ({why or 'no result'}), {age}")
+    return lines
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{max(seconds, 0):.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h ago"
+    return f"{seconds / 86400:.0f} days ago"

@@ -16,6 +16,7 @@ from typing import Any
 from bpdkv.deploy import efa
 from bpdkv.deploy.bootstrap import SOURCE_MARKER
 from bpdkv.deploy.facts import BACKUP_DIR, DIRTY_PATH, LOCK_PATH, MANIFEST_PATH, NODE_WHEELHOUSE
+from bpdkv.deploy.linkseed import seed_path as linkseed_path
 
 STATE_DIR = "/var/lib/bpdkv"
 TMP_SUFFIX = ".bpdkv-new"  # a staged file beside its target, renamed into place by the commit
@@ -201,6 +202,22 @@ class ProbePull:
     timeout: float
     transport: str = "efa"  # "efa": bytes count only over LIBFABRIC; "any": a cohort's gate (KV moved inside it)
     op = "probe pull"
+    undo = Undo.NONE
+
+
+@dataclass(frozen=True)
+class MeasureLinks:
+    """After every gate of a plan that started or restarted a P or a D: P measures its links to the decode instances
+    with real NIXL pulls at realistic sizes (`command`, bpdkv/deploy/linkseed.py, run on P's node) and writes the seed
+    its plugin reads (issue 45 item 3: P's first conversations are decided by the measured link, not by live probes).
+    Never undone and never fatal: P without a seed learns the link from live pulls, as before; apply says which."""
+
+    prefill: str
+    p_host: str
+    decodes: tuple[str, ...]
+    command: str
+    timeout: float
+    op = "measure links"
     undo = Undo.NONE
 
 
@@ -407,6 +424,7 @@ Operation = (
     | RunCommand
     | WriteManifest
     | ProbePull
+    | MeasureLinks
 )
 _BY_NAME: dict[str, type[Any]] = {
     cls.op: cls
@@ -428,6 +446,7 @@ _BY_NAME: dict[str, type[Any]] = {
         MarkDirty,
         RemoveStaged,
         ProbePull,
+        MeasureLinks,
     )
 }
 _BY_NAME[WriteManifest.op] = WriteManifest
@@ -457,6 +476,8 @@ def shell_commands(op: Operation, owner: str) -> list[str]:
         return list(op.efa_commands()) if op.efa_check else []
     if isinstance(op, ProbePull):
         return [op.command, op.processes]
+    if isinstance(op, MeasureLinks):
+        return [op.command]
     if isinstance(op, WriteManifest):
         return [op.mkdir_command(), op.command()]
     if isinstance(op, RunCommand):
@@ -528,6 +549,11 @@ def describe(op: Operation) -> str:
         if op.transport == "any":
             return f"probe pull {op.prefill}→{op.decode}: one turn on {op.p_host}, D's NIXL counters must move (inside the new generation)"
         return f"EFA probe pull {op.prefill}→{op.decode}: one turn on {op.p_host}, KV must move over LIBFABRIC"
+    if isinstance(op, MeasureLinks):
+        return (
+            f"measure links {op.prefill}→{', '.join(op.decodes)}: real NIXL pulls on {op.p_host}, the seed P reads "
+            f"({linkseed_path(op.prefill)})"
+        )
     if isinstance(op, WriteRouterConfig):
         return f"router config {op.path} on {op.host} (digest {op.digest}): the router re-reads its upstreams, no restart"
     if isinstance(op, ServingGate):

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from bpdkv import __version__, contracts
-from bpdkv.deploy import cohorts
+from bpdkv.deploy import cohorts, linkseed
 from bpdkv.deploy import efa as efa_probe
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import PackageChange, package_changes, source_digest
@@ -543,6 +543,7 @@ def make_plan(
 
     host_plans.sort(key=lambda h: [n.name for n in topology.nodes].index(h.host))
     host_plans = with_probe_pulls(topology, artifacts, host_plans)
+    host_plans = with_link_measurements(topology, host_plans)
     waves: list[Wave] = []
     stops = [f"{h.host}:{u.unit}" for h in host_plans for u in h.units if u.action == "stop"]
     if stops:
@@ -766,6 +767,42 @@ def host_operations(
 def _admin_key_file(topology: Topology) -> str | None:
     value = getattr(topology.router, "admin_key_file", None)
     return value if isinstance(value, str) else None
+
+
+LINK_MEASURE_TIMEOUT = 300.0  # seconds for one P's measurement of all its links
+
+
+def with_link_measurements(topology: Topology, hosts: list[HostPlan]) -> list[HostPlan]:
+    """Issue 45 item 3: when the plan starts or restarts a P or a D (a new pair, release or route), each prefill
+    instance measures its links to every decode instance after the gates (bpdkv/deploy/linkseed.py), placed before the
+    manifest of P's host. Wherever P can read a seed: bpdkv's connector with reuse on (with `pull_decision: threshold`
+    P pulls by token count, but the measured links are still what `status` shows, and the seed is there for a switch)."""
+    kv = topology.kv_transfer
+    if kv.connector != "bpdkv" or not kv.bidirectional:
+        return hosts
+    started = {op.instance for hp in hosts for op in hp.operations if isinstance(op, ops.StartUnit) and op.role in ("prefill", "decode")}
+    prefills, decodes = topology.instances("prefill"), topology.instances("decode")
+    if not started or not prefills or not decodes:
+        return hosts
+    python = f"{topology.vllm.venv}/bin/python"
+    pairs = [(d_inst.name, f"http://{d_node.data_plane_address}:{d_inst.port}") for d_node, d_inst in decodes]
+    by_host: dict[str, list[ops.MeasureLinks]] = {}
+    for p_node, p_inst in prefills:
+        sizes = linkseed.probe_sizes(p_inst.block_size, kv.kv_recompute_threshold, topology.model.max_model_len or 8192)
+        command = linkseed.command(
+            python, p_inst.name, f"http://127.0.0.1:{p_inst.port}", pairs, topology.model.served_name, sizes, LINK_MEASURE_TIMEOUT
+        )
+        op = ops.MeasureLinks(p_inst.name, p_node.name, tuple(name for name, _ in pairs), command, LINK_MEASURE_TIMEOUT)
+        by_host.setdefault(p_node.name, []).append(op)
+    out: list[HostPlan] = []
+    for hp in hosts:
+        kept: list[ops.Operation] = [op for op in hp.operations if not isinstance(op, ops.MeasureLinks)]
+        measures = by_host.get(hp.host, [])
+        at = next((i for i, op in enumerate(kept) if isinstance(op, ops.WriteManifest)), None)
+        if measures and at is not None:
+            kept[at:at] = measures
+        out.append(replace(hp, operations=kept))
+    return out
 
 
 def with_probe_pulls(topology: Topology, artifacts: list[Artifact], hosts: list[HostPlan]) -> list[HostPlan]:

@@ -22,7 +22,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bpdkv.deploy import efa
+from bpdkv.deploy import efa, linkseed
 from bpdkv.deploy import operations as ops
 from bpdkv.deploy.bootstrap import check_installed, install_command
 from bpdkv.deploy.connectors import Connector, ConnectorError, plain_errno, probe, run_checked, run_step
@@ -159,6 +159,7 @@ class Runner:
         self.packages = packages
         self.facts = facts or {}
         self.report = Report({h.host: HostOutcome(h.host) for h in plan.hosts})
+        self._links_measured: set[ops.MeasureLinks] = set()  # measure_links: each operation once (plain waves, then a roll)
         self.committed: set[str] = set()  # hosts whose new files are in place (rollback must restore them)
         self.started: dict[str, list[ops.StartUnit]] = {}  # units this run (re)started, per host
         self.locked: set[str] = set()
@@ -587,6 +588,7 @@ class Runner:
                         tail = " | ".join(line for line in logs.splitlines()[-5:] if line.strip())
                         self.fail(hp, failure + (f"; last log lines: {tail}" if tail else ""))
         self.probe_pulls(live)
+        self.measure_links(live)
         for_each_host([h for h in live if self.alive(h.host)], self.guarded(self.finish), parallel)
 
     # ---- cohort apply (bpdkv/deploy/cohorts.py) -------------------------------------------------------------------
@@ -668,6 +670,8 @@ class Runner:
             self.report.summary.append(f"{label}: done in {took:.0f} s")
             previous = step.router
         self._run_waves([hp for hp in live if hp.host not in in_roll])
+        if self.report.exit_code == 0:
+            self.measure_links(live)  # a new release: P's seed is re-measured inside the new generation
         self.roll_summary(roll, f"the roll finished: every node on vLLM {roll.new_vllm}" if self.report.exit_code == 0 else "")
 
     def only_new_serves(self, roll: Any, step: Any) -> str:
@@ -876,6 +880,26 @@ class Runner:
                     self.fail_generation([h for h in live if h.host in group], hp, why)
                 else:
                     self.fail(hp, why)
+
+    def measure_links(self, live: list[HostPlan]) -> None:
+        """After every gate: each P measures its links and writes its seed (ops.MeasureLinks, bpdkv/deploy/linkseed.py),
+        once per operation. Never fatal — a P without a seed learns its links from live pulls, as it did before — but
+        never silent: the report's last lines say, per pair, the measured rate and overhead or why there is none."""
+        for hp in live:
+            for op in hp.operations:
+                if not isinstance(op, ops.MeasureLinks) or op in self._links_measured:
+                    continue
+                self._links_measured.add(op)
+                if not self.alive(hp.host) or op.p_host not in self.conns:
+                    continue
+                self.progress(hp.host, ops.describe(op))
+                try:
+                    result = linkseed.parse_output(self.conns[op.p_host].run(op.command, op.timeout * 3 + 30).stdout)
+                except ConnectorError as exc:
+                    result = exc.reason
+                for line in linkseed.report_lines(op.prefill, op.decodes, result):
+                    self.progress(hp.host, line)
+                    self.report.summary.append(line)
 
     def probe_pull(self, op: ops.ProbePull) -> str | None:
         """One probe turn on P's node; D's counters and D's unit processes judged together. Why it failed, or None."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -279,6 +280,66 @@ def test_expiring_blocks_computed_locally(server_factory: Any, pd: Any) -> None:
         assert metric(p.url, "vllm:bpdkv_expiring_refused_total") == refused + 1
     finally:
         short_d.stop()
+
+
+def write_link_seed(path: Path, bytes_per_s: float) -> None:
+    """A seed as `bpdkv apply` writes it after measuring P's links (bpdkv/deploy/linkseed.py), for D on loopback."""
+    doc = {
+        "version": 1,
+        "measured_at": time.time(),
+        "prefill": "prefill-seeded",
+        "pairs": {"decode": {"bytes_per_s": bytes_per_s, "overhead_s": 0.001}},
+        "seed": {"prefill_tokens_per_s": 2000.0, "links": {"127.0.0.1": {"bytes_per_s": bytes_per_s, "overhead_s": 0.001}}},
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)
+
+
+def decisions(url: str) -> dict[str, float]:
+    """P's pull decisions so far, "outcome/reason" → count."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = re.findall(r"^vllm:bpdkv_pull_decisions_total\{([^}]*)\} ([0-9.e+]+)$", text, re.M)
+    out: dict[str, float] = {}
+    for labels, value in found:
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if float(value):
+            out[f"{pairs.get('outcome')}/{pairs.get('reason')}"] = float(value)
+    return out
+
+
+def test_a_fresh_p_decides_its_first_offers_by_the_link_seed(
+    server_factory: Any, pd: Any, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """Issue 45 item 3: a P that has measured nothing reads the seed apply wrote beside it — at start and whenever it
+    changes — and decides its first offers by it: a slow seeded link is computed (recomputed/link_slower), a fast one
+    pulled whole at first contact (pulled/first_contact); never a probe, never a blind pull; answers equal the reference."""
+    _, d = pd
+    seed = tmp_path / "link-seed.json"
+    write_link_seed(seed, 1_000.0)  # 1 kB/s: nothing pays
+    (p2,) = server_factory(("prefill-seeded", "kv_producer"), extra={contracts.EXTRA_LINK_SEED_FILE: str(seed), "bpdkv_pull_margin": 0.0})
+    try:
+        assert "bpdkv link seed (measured" in p2.log.read_text(errors="replace")  # read at start
+        for conversation, (bytes_per_s, want) in enumerate(((None, "recomputed/link_slower"), (1e12, "pulled/first_contact"))):
+            if bytes_per_s is not None:
+                write_link_seed(seed, bytes_per_s)
+                time.sleep(1.2)  # P looks at the file at most once a second, on a decision
+            before = decisions(p2.url)
+            pulled = metric(p2.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+            prompt = held_prompt(conversation)
+            new, d_params = token_turn(p2.url, d.url, prompt, None, HELD_OUTPUT)
+            assert new == reference["held"][conversation][0]
+            prompt = prompt + new + [20] * 8
+            new, _ = token_turn(p2.url, d.url, prompt, d_params, HELD_OUTPUT)
+            assert new == reference["held"][conversation][1]
+            after = decisions(p2.url)
+            made = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+            assert made == {want: 1.0}, made
+            moved = metric(p2.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - pulled
+            assert (moved > 0) == want.startswith("pulled"), moved
+        assert not any(k.startswith("probe/") or k.endswith("/no_estimate") for k in decisions(p2.url))
+    finally:
+        p2.stop()
 
 
 def token_turn(

@@ -159,3 +159,28 @@ def test_the_command_and_its_output_line(tmp_path: Path) -> None:
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".link-seed.")]  # no temp file left
     loaded = seedfile.SeedFile(str(path)).poll(now=0.0)  # what apply writes is what P reads
     assert loaded is not None and loaded.seed == doc["seed"]
+
+
+def test_apply_and_status_lines_say_rate_overhead_age_or_why_not() -> None:
+    from bpdkv.deploy import linkseed
+
+    now = time.time()
+    doc = {
+        "version": 1,
+        "measured_at": now - 300,
+        "pairs": {"decode-0": {"bytes_per_s": 1.0364e9, "overhead_s": 0.0275}, "decode-1": {"url": "u", "error": "ConnectError: refused"}},
+        "seed": {"prefill_tokens_per_s": 1120.0, "links": {}},
+    }
+    assert linkseed.report_lines("prefill-0", ("decode-0", "decode-1"), doc) == [
+        "link prefill-0→decode-0: 1,036.4 MB/s + 27.5 ms per pull, P computes 1,120 tokens/s (seed written for prefill-0)",
+        "link prefill-0→decode-1: not measured (ConnectError: refused); P learns it from live pulls",
+    ]
+    assert linkseed.report_lines("prefill-0", ("decode-0",), "ssh: timed out") == [
+        "link prefill-0→decode-0: not measured (ssh: timed out); P learns it from live pulls"
+    ]
+    assert linkseed.status_lines(json.dumps(doc), now) == [
+        "→decode-0: 1,036.4 MB/s + 27.5 ms per pull, measured 5 min ago",
+        "→decode-1: not measured (ConnectError: refused), 5 min ago",
+    ]
+    assert linkseed.status_lines("", now) == ["links: not measured (no seed yet: apply measures them after its gates)"]
+    assert linkseed.status_lines("{", now) == ["links: the seed file is not JSON (apply rewrites it)"]
