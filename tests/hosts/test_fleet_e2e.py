@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -109,6 +110,10 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
     applied = bpdkv("apply", str(EXAMPLE), "-y", timeout=1200)
     assert applied.returncode == 0, applied.stdout[-3000:] + applied.stderr[-2000:]
     assert "verified:" in applied.stdout  # the bootstrap's import + version check ran on the nodes
+    # After its gates apply measured P's link to D with real NIXL pulls and wrote the seed P reads (issue 45 item 3).
+    assert re.search(r"link prefill-0→decode-0: [0-9,.]+ MB/s \+ [0-9.]+ ms per pull", applied.stdout), applied.stdout[-3000:]
+    seed = json.loads(lab.exec(lab.hosts[0], "cat /var/lib/bpdkv/prefill-0/link-seed.json").stdout)
+    assert seed["pairs"]["decode-0"]["bytes_per_s"] > 0 and seed["seed"]["links"]["10.213.0.12"]["bytes_per_s"] > 0
     for host in lab.hosts:
         marker = (host.fs / "opt/bpdkv/venv/.bpdkv-source").read_text().strip()
         assert marker and (host.fs / "opt/bpdkv/venv/bin/python").exists()
@@ -143,6 +148,9 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
 
     status = bpdkv("status", str(EXAMPLE))
     assert status.returncode == 0, status.stdout
+    assert re.search(r"prefill-0 →decode-0: [0-9,.]+ MB/s \+ [0-9.]+ ms per pull, measured [0-9.]+ (s|min) ago", status.stdout), (
+        status.stdout
+    )
 
     # Calibration on the live fleet: P really pulls N tokens from D for each size, and the recommendation is whole blocks.
     report = Path(os.environ.get("BPDKV_KEEP_LOGS") or tmp_path) / "bpdkv-fleet-calibrate.json"  # pytest prunes its temp
