@@ -8,6 +8,9 @@
 #          (HBM only), each fresh, the same agentic load (12 conversations x 5 turns, 4-16K-token first prompts, tool
 #          results, documents: histories ~2x one engine's HBM KV), reuse on with per-turn paths; `wall-hbm` then reuse off
 #          on the same servers with fresh prompts (bench --reuse both).
+#   seeded (written 2026-12-06, not run yet: the session's device time ran out): issue 45 item 3 — the shared-GPU example, then what `bpdkv apply` runs on P's node after its gates
+#          (python -m bpdkv.deploy.linkseed: real pulls at three sizes, the seed written where the rendered P reads it),
+#          then the first conversations, reuse on vs off (fresh prompts each, P's cache salted), P's decisions.
 #   quiet: the shared-GPU example (h200-shared-qwen3-8b.yaml) twice, fresh engines each: bpdkv's default (NIXL's
 #          progress thread waits on events) and `bpdkv_nixl_progress_delay_us: 0` (NIXL's busy poll, set by hand in the
 #          rendered launch scripts): each engine's CPU (all its processes) idle and while D holds, and the pulls' NIXL
@@ -63,7 +66,7 @@ EOF
 
 metrics() {  # metrics LABEL: the figures of P and D that matter here
   for port in 8100 8200; do
-    curl -s localhost:$port/metrics | grep -E "^vllm:(prompt_tokens_by_source_total|nixl_xfer_time_seconds_(sum|count)|nixl_bytes_transferred_(sum|count)|bpdkv_(decision|verified|pin_granted|pin_refused|hold_released)[a-z_]*)" | grep -v _created | sed "s/^/$1 :$port /"
+    curl -s localhost:$port/metrics | grep -E "^vllm:(prompt_tokens_by_source_total|nixl_xfer_time_seconds_(sum|count)|nixl_bytes_transferred_(sum|count)|bpdkv_(pull_decisions|verified|pin_granted|pin_refused|hold_released)[a-z_]*)" | grep -v _created | sed "s/^/$1 :$port /"
   done
 }
 
@@ -114,6 +117,21 @@ case $step in
     fi
     grep -h "not registered\|Traceback\|KV cache usage\|hold budget\|KV Transfer metrics" /tmp/bpdkv-run/*.log | tail -n 12 | cut -c1-400
     keep_logs "$step"
+    $L stop
+    ;;
+  seeded)
+    CHECK=0 bash .gpu-stage-034/5/install.sh || exit 1
+    . /tmp/site/env.sh
+    lent examples/h200-shared-qwen3-8b.yaml $RUN/seeded.yaml
+    if fleet $RUN/seeded.yaml; then
+      python3 -m bpdkv.deploy.linkseed prefill-0 http://127.0.0.1:8100 /var/lib/bpdkv/prefill-0/link-seed.json qwen3-8b \
+        256,1024,4096 120 decode-0=http://127.0.0.1:8200 > "$res/linkseed.json"; echo "linkseed: rc $?"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['pairs'], d['seed'])" "$res/linkseed.json"
+      bench seeded --reuse both --paths pull-only --prefill-cache off
+      metrics seeded | grep -E "decision|external" | tee "$res/metrics.txt"
+    fi
+    grep -h "bpdkv link seed" /tmp/bpdkv-run/*.log | head -n 3 | cut -c1-300
+    keep_logs seeded
     $L stop
     ;;
   quiet)
