@@ -34,6 +34,7 @@ from bpdkv.router.surface import (
     sse_event,
     strings,
     text_tool_args,
+    vllm_extensions,
 )
 
 ROUTE = "/v1/messages"
@@ -322,19 +323,7 @@ def to_chat(body: dict[str, Any], counting: bool = False) -> dict[str, Any]:
             need(isinstance(effort, str), "output_config.effort must be a string", "output_config")
             chat["reasoning_effort"] = effort
     optional(body, "metadata", lambda v: isinstance(v, dict), "an object")
-    # vLLM's own extensions of the request (the prompt's template and its cache isolation)
-    kwargs = optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
-    if kwargs is not None:
-        chat["chat_template_kwargs"] = kwargs
-    constraint = optional(body, "structured_outputs", lambda v: isinstance(v, dict), "an object")
-    if constraint is not None:  # vLLM's guided decoding (its Responses API takes it; its 0.32 /v1/messages ignores it)
-        chat["structured_outputs"] = constraint
-    salt = optional(body, "cache_salt", lambda v: isinstance(v, str) and bool(v), "a non-empty string")
-    if salt is not None:
-        chat["cache_salt"] = salt
-    if body.get("stream") is True:
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
+    vllm_extensions(body, chat)
     return chat
 
 

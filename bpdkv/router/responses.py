@@ -43,6 +43,7 @@ from bpdkv.router.surface import (
     need,
     optional,
     sse_event,
+    vllm_extensions,
 )
 
 ROUTE = "/v1/responses"
@@ -347,18 +348,7 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]],
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     optional(body, "metadata", lambda v: isinstance(v, dict), "an object")
-    kwargs = optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
-    if kwargs is not None:
-        chat["chat_template_kwargs"] = kwargs
-    constraint = optional(body, "structured_outputs", lambda v: isinstance(v, dict), "an object")
-    if constraint is not None:  # vLLM's guided decoding (its Responses API takes it; its 0.32 /v1/messages ignores it)
-        chat["structured_outputs"] = constraint
-    salt = optional(body, "cache_salt", lambda v: isinstance(v, str) and bool(v), "a non-empty string")
-    if salt is not None:
-        chat["cache_salt"] = salt
-    if body.get("stream") is True:
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
+    vllm_extensions(body, chat)
     context = {
         "instructions": instructions,
         "store": body.get("store") is not False,

@@ -121,6 +121,24 @@ def optional(body: dict[str, Any], key: str, check: Callable[[Any], bool], what:
     return value
 
 
+def vllm_extensions(body: dict[str, Any], chat: dict[str, Any]) -> None:
+    """vLLM's own extensions of a request, as both adapters pass them to the chat turn: the prompt's template
+    arguments, guided decoding (vLLM's Responses API takes it; its 0.32 /v1/messages ignores it), the cache isolation
+    salt; and a streamed answer with its usage."""
+    kwargs = optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    if kwargs is not None:
+        chat["chat_template_kwargs"] = kwargs
+    constraint = optional(body, "structured_outputs", lambda v: isinstance(v, dict), "an object")
+    if constraint is not None:
+        chat["structured_outputs"] = constraint
+    salt = optional(body, "cache_salt", lambda v: isinstance(v, str) and bool(v), "a non-empty string")
+    if salt is not None:
+        chat["cache_salt"] = salt
+    if body.get("stream") is True:
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+
+
 def strings(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
