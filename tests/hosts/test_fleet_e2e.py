@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -196,14 +197,22 @@ def test_apply_deploys_a_fleet_that_reuses_kv_correctly(fleet_hosts: TestHosts, 
     settings = {r["setting"] for r in tuned["recommendations"]}
     assert len(settings) >= 4 and all(r["evidence"] for r in tuned["recommendations"]), tuned
 
-    # A crashed decode unit: status says so, apply brings it back.
+    # A crashed decode unit: status says so, the service manager restarts it (Restart=on-failure), apply has nothing to do.
     # The whole process tree, as the kernel's OOM killer + systemd's cgroup clean-up would leave it (the unit
     # manager on test hosts has no cgroups, so an orphaned engine core would keep D's NIXL side-channel port).
     lab.exec(lab.hosts[1], "p=$(pgrep -f 'vllm.entrypoints.openai.api_server.*--port 8200' | head -1); pkill -9 -P $p; kill -9 $p")
     down = bpdkv("status", str(EXAMPLE), "--output", "json")
-    assert down.returncode == 1
+    assert down.returncode == 1  # dead, or restarting and still loading its model: not healthy either way
     assert '"decode-0"' in down.stdout and '"healthy": false' in down.stdout
-    repaired = bpdkv("apply", str(EXAMPLE), "-y", timeout=900)
+    # The unit says Restart=on-failure: the lab's service manager brings D back as systemd would (no sleep: status
+    # is asked until it says healthy, within a bound well above D's start-up).
+    deadline = time.monotonic() + 300
+    while (back := bpdkv("status", str(EXAMPLE))).returncode != 0:
+        assert time.monotonic() < deadline, back.stdout[-2000:]
+        time.sleep(3)
+    restarted = lab.exec(lab.hosts[1], "cat /var/log/journal/bpdkv-lab-supervisor.log").stdout
+    assert "bpdkv-decode-0.service: main process killed by SIGKILL; restarting" in restarted, restarted[-1000:]
+    repaired = bpdkv("apply", str(EXAMPLE), "-y", timeout=900)  # nothing left to repair: converged, exit 0
     assert repaired.returncode == 0, repaired.stdout[-3000:]
     assert bpdkv("status", str(EXAMPLE)).returncode == 0
     after = chat(ROUTER, [PREFILL], "tiny", turns=2, prefill_cache=False)  # the restored D serves and is pulled from again
