@@ -200,6 +200,20 @@ def run_faulted_roll(lab: TestHosts, work: Path) -> dict[str, Any]:
     summary["router_final"] = watch.samples[-1][1] if watch.samples else {}
     windows = outage_windows(watch.samples)
     summary["no_generation_serving_s"] = [[round(a - roll_started, 1), round(b - roll_started, 1)] for a, b in windows]
+    # The router's counts lag a kill: it reports the dead D serving until its health checks eject it. The truth from the
+    # kill on: the old generation had no live D (its last one was killed), the new one was not yet served (fault 1 comes
+    # after host1's probe, before the step puts it in the router) — so no generation had a P and a D a client could
+    # reach until the router served the new one with a P and a D (or the killed D was back). Errors in that span are the
+    # outage the issue allows; before the kill and after it, none is.
+    new_generation = roll.get("new")
+    if "d_at" in killed and new_generation:
+        back = next(
+            (at for at, serving in watch.samples if at >= killed["d_at"] and all(serving.get(new_generation) or (0, 0))),
+            None,
+        )
+        if back is not None:
+            windows.append((killed["d_at"], back))
+            summary["outage_after_kill_s"] = [round(killed["d_at"] - roll_started, 1), round(back - roll_started, 1)]
     logs = upgrade.bpdkv("logs", str(new_topo), "-n", "20000")
     summary["cross_generation_reads"] = len(upgrade.cross_generation_lines(logs.stdout))
     summary["cross_generation_lines"] = upgrade.cross_generation_lines(logs.stdout)[:5]
