@@ -6,6 +6,7 @@ STALE_AFTER intervals is not used (the router's own outstanding counts are)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -49,6 +50,7 @@ def parse_load(text: str, at: float) -> EngineLoad | None:
 
 
 async def read_load(member: Upstream, client: UpstreamClient, timeout: float) -> None:
+    own = member.outstanding  # this router's requests there during the read: the most at its start or its end
     try:
         answer = await client.fetch("GET", member.url + "/metrics", None, {}, timeout)
     except UpstreamFailure:
@@ -57,7 +59,7 @@ async def read_load(member: Upstream, client: UpstreamClient, timeout: float) ->
         return
     load = parse_load(answer.content[:MAX_METRICS_BYTES].decode(errors="replace"), time.monotonic())
     if load is not None:
-        member.engine_load = load
+        member.engine_load = dataclasses.replace(load, own=max(own, member.outstanding))
 
 
 async def load_loop(pools: list[Pool], client: UpstreamClient, interval: float, stop: asyncio.Event) -> None:

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from bpdkv.router import generations
@@ -38,6 +38,7 @@ class EngineLoad:
     waiting: float
     kv_usage: float | None  # fraction of the KV cache in use, 0..1
     at: float  # monotonic clock of the read
+    own: int | None = None  # this router's requests in flight on that engine while it was read (None: not known)
 
 
 @dataclass
@@ -72,8 +73,16 @@ class Upstream:
     incarnation: int = 0  # +1 each time a reloaded config moves it (another url or generation): another engine since
 
     def fresh_load(self, now: float) -> EngineLoad | None:
+        """The engine's last signal while it is fresh. A signal whose every request was this router's own (running +
+        waiting <= own) is superseded once none of them is in flight any more: those requests are over, so the
+        engine's queue is not what it said (a turn's own D request, counted waiting while it fetched P's KV, would
+        otherwise hold the next short turn off D for the signal's lifetime). Other routers' load keeps it."""
         load = self.engine_load
-        return load if load is not None and now - load.at <= self.load_fresh_for else None
+        if load is None or now - load.at > self.load_fresh_for:
+            return None
+        if load.own is not None and self.outstanding == 0 and load.running + load.waiting <= load.own:
+            return replace(load, running=0.0, waiting=0.0)
+        return load
 
     def load(self, now: float) -> float:
         """Requests on this upstream: the router's own count, or the engine's (other routers' requests too) if higher."""

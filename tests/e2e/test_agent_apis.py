@@ -240,7 +240,8 @@ def test_short_tool_result_turn_continues_on_d(fleet: Fleet) -> None:
     local, on_p = Fleet.metric(url, "bpdkv_router_paths_total", path="decode_local"), fleet.p_prompts()
     got = claude_turn(url, body, stream=True)
     assert blocks(got) == blocks(claude_turn(fleet.ref.url, body, stream=False))
-    assert Fleet.metric(url, "bpdkv_router_paths_total", path="decode_local") == local + 1
+    paths = [line for line in httpx.get(url + "/metrics", timeout=10).text.splitlines() if line.startswith("bpdkv_router_paths_total")]
+    assert Fleet.metric(url, "bpdkv_router_paths_total", path="decode_local") == local + 1, paths
     assert Fleet.metric(url, "bpdkv_router_api_turns_total", api="messages", path="decode_local") == 1
     assert fleet.p_prompts() == on_p, "P received a turn that continued on D"
 

@@ -18,6 +18,7 @@ from bpdkv import contracts
 from bpdkv.router import paths
 from bpdkv.router.config import PathSettings
 from bpdkv.router.paths import PathInputs, PathReason, TurnPath
+from bpdkv.router.upstreams import EngineLoad, Upstream
 from bpdkv.testing.vllm_emulator import VllmEmulator
 from tests.router.helpers import SYSTEM, chat
 
@@ -96,6 +97,29 @@ def test_decision_fuzzed_local_only_when_every_condition_holds(
     )
     assert (got.path is TurnPath.DECODE_LOCAL) is local
     assert (got.path is TurnPath.PREFILL_FULL) is (not stored)
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "own", "in_flight_now", "seen_waiting"),
+    [
+        (0.0, 1.0, 1, 0, 0.0),  # the turn's own D request, waiting on P's KV when read, is over: D is not queueing
+        (1.0, 0.0, 1, 0, 0.0),
+        (0.0, 1.0, 1, 1, 1.0),  # still in flight: the signal stands
+        (1.0, 1.0, 1, 0, 1.0),  # the engine had more than this router's own: another router's request may still wait
+        (0.0, 2.0, None, 0, 2.0),  # not known what was this router's (the emulator's override, an old read)
+    ],
+)
+def test_a_signal_made_only_of_the_routers_own_finished_requests_is_superseded(
+    running: float, waiting: float, own: int | None, in_flight_now: int, seen_waiting: float
+) -> None:
+    d = Upstream("decode-0", "http://d", "decode")
+    d.engine_load = EngineLoad(running, waiting, 0.2, at=100.0, own=own)
+    d.outstanding = in_flight_now
+    got = paths.inputs_for(True, 10, True, d, now=100.5)
+    assert got.decode_waiting == seen_waiting and got.decode_kv_usage == 0.2
+    want = TurnPath.DECODE_LOCAL if seen_waiting == 0 else TurnPath.PREFILL_PULL
+    assert paths.decide(got, DEFAULTS).path is want
+    assert d.fresh_load(100.0 + d.load_fresh_for + 0.1) is None  # and a stale one is no signal at all
 
 
 # ---- through the router ----------------------------------------------------------------------------------------------
