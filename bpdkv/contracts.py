@@ -214,12 +214,15 @@ ROUTER_HEALTH_DEFAULTS: Final[dict[str, float]] = {"interval": 5, "failures_to_e
 # Per-turn paths (router.paths): a continued turn of at most local_max_tokens new tokens (estimated: exact for token-id
 # prompts, else UTF-8 bytes of the new messages / chars_per_token plus per-message template overhead) runs on the D
 # that holds the conversation, while D's engine is not queueing (waiting ≤ local_max_waiting), its KV cache usage is
-# under local_max_kv_usage and the local prefills already in flight on it stay within local_max_tokens; 0 = off.
+# under local_max_kv_usage and the local prefills already in flight on it stay within local_max_tokens; 0 = off. While
+# D streams, those prefills may add at most local_max_step_cost of D's measured step time to its streams' next gap
+# (router/paths.py; 0 = the token cap alone).
 ROUTER_PATHS_DEFAULTS: Final[dict[str, float]] = {
     "local_max_tokens": 512,
     "chars_per_token": 3.0,
     "local_max_waiting": 0,
     "local_max_kv_usage": 0.9,
+    "local_max_step_cost": 0.05,
     "load_interval": 1.0,  # seconds between reads of each engine's /metrics (running, waiting, KV usage); 0 = never
 }
 # Slow clients: seconds for a request head (from the connection or the previous response) and for its whole body → 408.

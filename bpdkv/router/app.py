@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from bpdkv import contracts
 from bpdkv.contracts import MissCause
-from bpdkv.router import generations, jsonbytes, security, sessions
+from bpdkv.router import generations, jsonbytes, paths, security, sessions
 from bpdkv.router.admin import AdminApi, bearer, error
 from bpdkv.router.config import RouterConfig
 from bpdkv.router.engines import STALE_AFTER, load_loop
@@ -54,7 +54,7 @@ from bpdkv.router.turn import (
     local_params,
 )
 from bpdkv.router.upstream_http import UpstreamClient
-from bpdkv.router.upstreams import Pool, build_members, check_all, check_member, health_loop
+from bpdkv.router.upstreams import Pool, Upstream, build_members, check_all, check_member, health_loop
 
 log = logging.getLogger("bpdkv.router")
 T = TypeVar("T")
@@ -158,7 +158,7 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self._gauge_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
-        self.reuse = ReusePolicy(config, self.store, self.decode, self.metrics, clock)
+        self.reuse = ReusePolicy(config, self.store, self.decode, self.metrics, clock, self.prefill)
         self.returns = ReturnModel(self.metrics, clock)  # how soon a conversation comes back: sent to D (returns.py)
         # The config file, watched: upstreams and generations apply without a restart (reload.py).
         self.watch = ConfigWatch(config, self.apply_upstreams, clock) if config.config_file else None
@@ -378,6 +378,21 @@ class Router:
                     self.metrics.engine_waiting.labels(pool.role, m.name).set(engine.waiting)
                     if engine.kv_usage is not None:
                         self.metrics.engine_kv_usage.labels(pool.role, m.name).set(engine.kv_usage)
+                if pool is self.decode:
+                    self._set_step_gauges(m, now)
+
+    def _set_step_gauges(self, member: Upstream, now: float) -> None:
+        """D's step time and the budget it gives a continued turn; no series while either is not measured."""
+        step = member.steps.median(now, member.load_fresh_for)
+        budget = paths.step_budget(step, paths.prefill_rate(self.prefill.members, now), self.config.paths.local_max_step_cost)
+        for gauge, value in ((self.metrics.engine_step, step), (self.metrics.local_budget, budget)):
+            if value is not None:
+                gauge.labels("decode", member.name).set(value)
+            else:
+                try:
+                    gauge.remove("decode", member.name)
+                except KeyError:
+                    pass
 
     async def _upstream_gauge_loop(self) -> None:
         """Multiprocess mode: a scrape reaches one worker, so every worker writes its upstream gauges each second."""
@@ -431,7 +446,8 @@ class Router:
         )
 
     def _engine_gauges(self) -> tuple[Any, ...]:
-        return (self.metrics.engine_running, self.metrics.engine_waiting, self.metrics.engine_kv_usage)
+        m = self.metrics
+        return (m.engine_running, m.engine_waiting, m.engine_kv_usage, m.engine_step, m.local_budget)
 
     def loaded_config(self) -> dict[str, Any]:
         """GET /admin/config: the file loaded (digest, when), the generations (oldest first) and the available P and D

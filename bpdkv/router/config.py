@@ -67,6 +67,7 @@ class PathSettings:
     chars_per_token: float = ROUTER_PATHS_DEFAULTS["chars_per_token"]
     local_max_waiting: int = int(ROUTER_PATHS_DEFAULTS["local_max_waiting"])
     local_max_kv_usage: float = ROUTER_PATHS_DEFAULTS["local_max_kv_usage"]
+    local_max_step_cost: float = ROUTER_PATHS_DEFAULTS["local_max_step_cost"]  # share of D's step; 0: token cap only
     load_interval: float = ROUTER_PATHS_DEFAULTS["load_interval"]
 
 

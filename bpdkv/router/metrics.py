@@ -85,6 +85,20 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.engine_step = Gauge(
+            "bpdkv_router_engine_step_seconds",
+            "D's step time: the median of its streams' inter-token gaps over the last minute (its /metrics)",
+            ["role", "upstream"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.local_budget = Gauge(
+            "bpdkv_router_local_budget_tokens",
+            "New tokens a continued turn may have on this D while it streams (paths.local_max_step_cost of its step)",
+            ["role", "upstream"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
         self.api_turns = Counter(
             "bpdkv_router_api_turns",
             "Turns by client API (chat_completions, completions, messages, responses), path and reuse outcome",

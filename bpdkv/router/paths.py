@@ -13,6 +13,15 @@ not ejected, not drained), its engine not queueing (waiting ≤ `local_max_waiti
 `local_max_tokens` — so D's decoding streams wait at most about one such prefill per engine step (inter-token latency
 is why P/D exists).
 
+And the step-time budget, costed rather than counted: while D's engine runs other streams, the local prefills in
+flight on it plus this one must add at most `local_max_step_cost` (5 %) of D's step to their next gap:
+new tokens ≤ local_max_step_cost × D's step time × the prefill rate. D's step time is the median of its streams' recent
+inter-token gaps (steps.py, from its `/metrics`); the prefill rate is P's own measured rate (the node plugin's gauge:
+P and D of one fleet run the same model) — tokens/s on a whole prompt, so on a GPU, where a few tokens more in a
+memory-bound decode step cost less than that, the bound is conservative. Each of D's steps grows by at most that share,
+so its streams' ITL p99 does too. D streaming nothing: nothing to slow (the token cap alone). D streaming but either
+measure missing: through P (`decode_step_unknown`). No fresh engine signal at all (`load_interval` 0): the token cap.
+
 New tokens are estimated without tokenizing: token-id prompts exactly (the prompt's length past the stored history,
 an upper bound since the history excludes D's own answer); chat turns from the UTF-8 bytes of the messages past the
 stored history (with a dropped reasoning trace, from the assistant message on) divided by `chars_per_token`, plus
@@ -55,6 +64,8 @@ class PathReason(str, Enum):
     DECODE_QUEUEING = "decode_queueing"  # its engine has requests waiting
     DECODE_KV_FULL = "decode_kv_full"
     DECODE_PREFILL_BUDGET = "decode_prefill_budget"  # local prefills in flight there already use the budget
+    DECODE_STEP_COST = "decode_step_cost"  # it would add more than local_max_step_cost of D's step to its streams
+    DECODE_STEP_UNKNOWN = "decode_step_unknown"  # D streams, but its step time or the prefill rate is not measured yet
     LOCAL_FAILED = "local_failed"  # decode_local's D failed before its first byte: the turn went through P, computed
 
 
@@ -67,6 +78,9 @@ class PathInputs:
     decode_waiting: float | None  # None: no fresh engine signal
     decode_kv_usage: float | None
     decode_local_tokens: int  # new tokens of local prefills in flight on that D
+    decode_streams: float | None = None  # requests running on D's engine (None: no fresh engine signal)
+    decode_step_s: float | None = None  # D's step time: its median inter-token gap lately (None: not measured)
+    prefill_rate: float | None = None  # tokens/s P measured for its own prefills (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -98,7 +112,20 @@ def decide(inputs: PathInputs, settings: PathSettings) -> PathDecision:
         return pull(PathReason.DECODE_KV_FULL)
     if inputs.decode_local_tokens and inputs.decode_local_tokens + n > settings.local_max_tokens:
         return pull(PathReason.DECODE_PREFILL_BUDGET)
+    if settings.local_max_step_cost > 0 and inputs.decode_streams:
+        budget = step_budget(inputs.decode_step_s, inputs.prefill_rate, settings.local_max_step_cost)
+        if budget is None:
+            return pull(PathReason.DECODE_STEP_UNKNOWN)
+        if inputs.decode_local_tokens + n > budget:
+            return pull(PathReason.DECODE_STEP_COST)
     return PathDecision(TurnPath.DECODE_LOCAL, PathReason.FEW_NEW_TOKENS, n)
+
+
+def step_budget(step_s: float | None, rate: float | None, cost: float) -> int | None:
+    """New tokens a busy D may prefill locally at once: what it computes in `cost` of one of its steps."""
+    if step_s is None or rate is None or step_s <= 0 or rate <= 0:
+        return None
+    return math.floor(cost * step_s * rate)
 
 
 def _message_tokens(messages: list[Any], chars_per_token: float) -> int:
@@ -131,7 +158,9 @@ def estimate_new_tokens(
     return _message_tokens(messages[start:], chars_per_token) + tail
 
 
-def inputs_for(stored: bool, new_tokens: int | None, local_allowed: bool, holder: Upstream | None, now: float) -> PathInputs:
+def inputs_for(
+    stored: bool, new_tokens: int | None, local_allowed: bool, holder: Upstream | None, now: float, prefill_rate: float | None = None
+) -> PathInputs:
     engine = holder.fresh_load(now) if holder is not None else None
     return PathInputs(
         stored=stored,
@@ -141,4 +170,13 @@ def inputs_for(stored: bool, new_tokens: int | None, local_allowed: bool, holder
         decode_waiting=engine.waiting if engine is not None else None,
         decode_kv_usage=engine.kv_usage if engine is not None else None,
         decode_local_tokens=holder.local_tokens if holder is not None else 0,
+        decode_streams=engine.running if engine is not None else None,
+        decode_step_s=holder.steps.median(now, holder.load_fresh_for) if holder is not None else None,
+        prefill_rate=prefill_rate,
     )
+
+
+def prefill_rate(members: list[Upstream], now: float) -> float | None:
+    """The prefill rate P measured (the slowest P's, fresh signals only); None when no P has measured one yet."""
+    rates = [load.prefill_rate for m in members if (load := m.fresh_load(now)) is not None and load.prefill_rate]
+    return min(rates) if rates else None

@@ -32,11 +32,18 @@ def release_key(decode: str, request_id: Any) -> str:
 
 class ReusePolicy:
     def __init__(
-        self, config: RouterConfig, store: sessions.SessionStore, decode: Pool, metrics: RouterMetrics, clock: Callable[[], float]
+        self,
+        config: RouterConfig,
+        store: sessions.SessionStore,
+        decode: Pool,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+        prefill: Pool | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.decode = decode
+        self.prefill = prefill  # P's measured prefill rate prices a continued turn on a busy D (paths.py)
         self.metrics = metrics
         self.clock = clock
         self._warned_missing = False
@@ -181,7 +188,9 @@ class ReusePolicy:
             return paths.decide(paths.inputs_for(False, None, local_allowed, None, 0.0), settings)
         new_tokens = paths.estimate_new_tokens(ident, entry, body, outcome, settings.chars_per_token)
         holder = self.decode.member(entry.decode)
-        decision = paths.decide(paths.inputs_for(True, new_tokens, local_allowed, holder, time.monotonic()), settings)
+        now = time.monotonic()
+        rate = paths.prefill_rate(self.prefill.members, now) if self.prefill is not None else None
+        decision = paths.decide(paths.inputs_for(True, new_tokens, local_allowed, holder, now, rate), settings)
         if new_tokens is not None:
             self.metrics.child(self.metrics.new_tokens, decision.path.value).observe(new_tokens)
         return decision

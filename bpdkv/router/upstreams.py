@@ -17,6 +17,7 @@ from enum import Enum
 
 from bpdkv.router import generations
 from bpdkv.router.config import GenerationSpec, UpstreamSpec
+from bpdkv.router.steps import Buckets, StepWindow
 from bpdkv.router.upstream_http import UpstreamClient, UpstreamFailure, UpstreamTimeout
 
 log = logging.getLogger("bpdkv.router")
@@ -39,6 +40,9 @@ class EngineLoad:
     kv_usage: float | None  # fraction of the KV cache in use, 0..1
     at: float  # monotonic clock of the read
     own: int | None = None  # this router's requests in flight on that engine while it was read (None: not known)
+    itl_buckets: Buckets = ()  # its inter-token gap histogram (cumulative), for D's step time (steps.py)
+    itl_seconds: float = 0.0  # that histogram's sum
+    prefill_rate: float | None = None  # P: its own measured prefill rate, tokens/s (the node plugin's gauge)
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Upstream:
     engine_load: EngineLoad | None = None  # the engine's own signals (None: never read)
     load_fresh_for: float = 3.0  # seconds an engine_load stays usable (STALE_AFTER load intervals)
     local_tokens: int = 0  # D: new tokens of continued turns sent here whose first byte has not come back yet
+    steps: StepWindow = field(default_factory=StepWindow)  # D: its engine's recent inter-token gaps (step time)
     # Its generation (router/generations.py): P and D pair only within one; rank orders them (higher: newer).
     generation: str = ""
     generation_rank: int = 0
@@ -134,6 +139,7 @@ class Upstream:
         self.incarnation += 1
         self.restarted_at = max(self.restarted_at, at)
         self.engine_id, self.engine_seen_at, self.suspect_engine, self.engine_load = None, 0.0, None, None
+        self.steps = StepWindow()
         self.identity_verified, self.identity_problem, self.checks_since_identity = False, None, 0
         self.healthy, self.went_down, self.slow_checks, self.last_error = False, False, 0, ""
         self.failures, self.ejected_until, self.ejections = 0, 0.0, 0

@@ -93,6 +93,10 @@ class EmulatorSettings:
     model_root: str | None = None  # GET /v1/models' root (vLLM: the --model argument); None: not reported
 
 
+# vLLM's inter-token latency buckets (vllm/v1/metrics: INTER_TOKEN_LATENCY_BUCKETS), seconds.
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
 @dataclass
 class VllmEmulator:
     settings: EmulatorSettings
@@ -108,6 +112,11 @@ class VllmEmulator:
     running: int = 0  # requests being served now (in /metrics as running, or waiting beyond max_num_seqs)
     running_tokens: int = 0
     load_override: tuple[float, float, float] | None = None  # tests: (running, waiting, KV usage) /metrics reports
+    # tests: a D streaming for others — each /metrics read adds this many inter-token gaps of this many seconds
+    step_override: tuple[float, int] | None = None
+    prefill_rate_override: float | None = None  # tests: P's measured prefill rate (the plugin's gauge), tokens/s
+    itl_counts: list[int] = field(default_factory=lambda: [0] * (len(ITL_BUCKETS) + 1))  # per bucket, +Inf last
+    itl_sum: float = 0.0
     host_tier: dict[str, Held] = field(default_factory=dict)  # D's demoted holds, least recently demoted first
 
     def __post_init__(self) -> None:
@@ -213,12 +222,39 @@ class VllmEmulator:
         lines += [f"vllm:num_requests_running{labels} {running}", f"vllm:num_requests_waiting{labels} {waiting}"]
         lines.append(f"vllm:kv_cache_usage_perc{labels} {usage}")
         lines.append(f"vllm:nixl_xfer_time_seconds_sum {self.counters.get('nixl_xfer_seconds', 0)}")
+        if self.step_override is not None:
+            self.observe_gaps(*self.step_override)
+        lines += self._itl_lines(labels)
+        rate = self.prefill_rate_override
+        if rate is None and self.settings.prefill_plugin:  # the plugin's gauge: P's own fitted rate (0: none yet)
+            fit = self.book.compute.fit
+            rate = 1.0 / fit.slope if fit is not None and fit.slope > 0 else 0.0
+        if rate is not None:
+            lines.append(f"vllm:bpdkv_prefill_tokens_per_second{labels} {rate}")
         if self.settings.kv_hold_budget is not None:  # the node plugin's gauges (bpdkv/vllm_plugin/connector.py)
             total, budget = self._hold_budget()
             lines.append(f"vllm:bpdkv_held_blocks{labels} {self.held_blocks()}")
             lines.append(f"vllm:bpdkv_hold_budget_blocks{labels} {budget}")
             lines.append(f"vllm:bpdkv_kv_blocks_total{labels} {total}")
         return PlainTextResponse("\n".join(lines) + "\n")
+
+    def observe_gaps(self, seconds: float, count: int) -> None:
+        """`count` inter-token gaps of `seconds` each, into vLLM's ITL histogram (its buckets)."""
+        if count <= 0:
+            return
+        i = next((k for k, le in enumerate(ITL_BUCKETS) if seconds <= le), len(ITL_BUCKETS))
+        self.itl_counts[i] += count
+        self.itl_sum += seconds * count
+
+    def _itl_lines(self, labels: str) -> list[str]:
+        inner = labels[1:-1]
+        lines, total = [], 0
+        for le, count in zip([*map(str, ITL_BUCKETS), "+Inf"], self.itl_counts, strict=True):
+            total += count
+            lines.append(f'vllm:inter_token_latency_seconds_bucket{{{inner},le="{le}"}} {float(total)}')
+        lines.append(f"vllm:inter_token_latency_seconds_count{labels} {float(total)}")
+        lines.append(f"vllm:inter_token_latency_seconds_sum{labels} {self.itl_sum}")
+        return lines
 
     def held_blocks(self) -> int:
         """KV blocks D holds for a later pull now (holds past their TTL are freed, as the worker does)."""
@@ -542,6 +578,7 @@ class VllmEmulator:
             reasoning, text = split_thought(text)
         calls = hermes_tool_calls(text) if chat and finish == "stop" and _auto_tools(body) else None
         answer = Answer(text, finish, calls, output, len(tokens), reasoning)
+        self.observe_gaps(self.settings.token_interval, len(output) - 1)  # vLLM counts them streamed or not
         if stream:
             return StreamingResponse(self._stream(body, answer, chat, out_params), media_type="text/event-stream")
         await asyncio.sleep(self.settings.first_token_delay + self.settings.token_interval * max(len(output) - 1, 0))

@@ -217,6 +217,21 @@ def _wait_for_load(fleet: Any, upstream: str, waiting: float | None = None, kv: 
     raise AssertionError(f"router never saw {upstream}'s load")
 
 
+def _wait_for_budget(fleet: Any, upstream: str, tokens: tuple[int, int] | None) -> None:
+    """Until the router's step budget for `upstream` is within `tokens` (None: not measured, no series)."""
+    deadline = time.monotonic() + 10
+    series = f'bpdkv_router_local_budget_tokens{{role="decode",upstream="{upstream}"}}'
+    while time.monotonic() < deadline:
+        text = httpx.get(fleet.url + "/metrics", timeout=5).text
+        line = next((x for x in text.splitlines() if x.startswith(series)), None)
+        if line is None and tokens is None:
+            return
+        if line is not None and tokens is not None and tokens[0] <= float(line.split()[-1]) <= tokens[1]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the router's step budget for {upstream} never came within {tokens}")
+
+
 def test_d_states_and_load_keep_turns_off_d(fleet_factory, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     keys = tmp_path / "keys"
     keys.write_text("sk-alpha\nsk-beta\n")
@@ -377,14 +392,19 @@ def matrix_reference() -> Any:
     restarted=st.booleans(),
     released=st.booleans(),
     other_tenant=st.booleans(),
+    step=st.sampled_from(["roomy", "tight", "unmeasured"]),
 )
 def test_matrix_fuzzed(
     matrix_fleet: Any, matrix_reference: str, size: int, waiting: float, kv: float, drained: bool, restarted: bool, released: bool,
-    other_tenant: bool,
+    other_tenant: bool, step: str,
 ) -> None:  # fmt: skip
     fleet = matrix_fleet
     for d in fleet.decode:
         d.load_override = (0.0, 0.0, 0.0)
+        d.step_override = (0.02, 100)  # D's streams step every 20 ms (median 17.5 ms in vLLM's buckets)
+    # P's measured rate: a step budget of 0.05 x 17.5 ms x rate = 875 tokens (roomy) or 8 (tight); 0 = none measured.
+    rate = {"roomy": 1_000_000.0, "tight": 10_000.0, "unmeasured": 0.0}[step]
+    fleet.prefill[0].prefill_rate_override = rate
     for name in ("decode-0", "decode-1"):
         _wait_for_load(fleet, name, waiting=0.0, kv=0.0)
     tenant = {"Authorization": "Bearer alpha"}
@@ -395,8 +415,9 @@ def test_matrix_fuzzed(
     d = fleet.decode[holder]
     name = f"decode-{holder}"
     messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": "r" * size}]
-    d.load_override = (1.0, waiting, kv)
+    d.load_override = (1.0, waiting, kv)  # D streams one request of another conversation
     _wait_for_load(fleet, name, waiting=waiting, kv=kv)
+    _wait_for_budget(fleet, name, {"roomy": (600, 900), "tight": (1, 9), "unmeasured": None}[step])
     if drained:
         httpx.post(fleet.url + f"/admin/upstreams/{name}/drain", timeout=10)
     if restarted:  # seen by the router: the D refused a request on its way down (as a health check would)
@@ -417,7 +438,8 @@ def test_matrix_fuzzed(
     stored = not (restarted or released or other_tenant)
     # The router's estimate by hand: (b"m\\0tool\\0" + content) / 3 chars per token, 8 per message, one block of 16.
     estimate = -(-(7 + size) // 3) + 8 + 16
-    local = stored and estimate <= 512 and not drained and waiting == 0 and kv < 0.9
+    budget = {"roomy": 600, "tight": 9, "unmeasured": -1}[step]  # at least / at most (the turns' own gaps count too)
+    local = stored and estimate <= 512 and not drained and waiting == 0 and kv < 0.9 and estimate <= budget
     want = TurnPath.DECODE_LOCAL if local else TurnPath.PREFILL_PULL if stored else TurnPath.PREFILL_FULL
     assert taken is want, (size, waiting, kv, drained, restarted, released, other_tenant, taken)
     assert (len(local_turns(d)) > local_before) is local
