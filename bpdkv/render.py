@@ -244,9 +244,31 @@ def router_config(topology: Topology, instance: Instance) -> dict[str, Any]:
         "health": dict(contracts.ROUTER_HEALTH_DEFAULTS),
         **router_secret_files(r, instance.name, CONFIG_DIR)[0],  # paths of key, password and TLS files
         **router_workers(topology, instance),
-        **({"paths": dict(r.paths)} if r.paths else {}),  # per-turn paths: only what the topology sets
+        **router_paths(topology),  # per-turn paths: what the topology sets, and the step budget where it cannot help
         **({"max_header_bytes": r.max_header_bytes} if r.max_header_bytes is not None else {}),  # else the router's default
     }
+
+
+def shares_compute(topology: Topology) -> list[str]:
+    """The Ds that compute on a device a P computes on too: on one node, a GPU both list, or both on a CPU node."""
+    out = []
+    for node in topology.nodes:
+        ps = [i for i in node.instances if i.role == "prefill"]
+        for d in (i for i in node.instances if i.role == "decode"):
+            if any(node.accelerator == "cpu" or set(p.gpus) & set(d.gpus) for p in ps):
+                out.append(d.name)
+    return out
+
+
+def router_paths(topology: Topology) -> dict[str, Any]:
+    """The router's `paths`: what the topology sets; and where a D shares its device with a P, no step budget
+    (`local_max_step_cost` 0) unless the topology sets one. That budget sends a turn through P to spare D's streams
+    the local prefill; on a shared device P's prefill takes the same compute from D's streams (and a pull besides), so
+    it would cost the turn's TTFT and spare D nothing — measured on the CPU lab, benchmarks/results/paths/cpu-tiny."""
+    paths = dict(topology.router.paths or {})
+    if "local_max_step_cost" not in paths and shares_compute(topology):
+        paths["local_max_step_cost"] = 0
+    return {"paths": paths} if paths else {}
 
 
 def _local_redis_port(topology: Topology, instance: Instance) -> int | None:

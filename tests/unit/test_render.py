@@ -259,3 +259,21 @@ def test_pull_decision_rendered_for_prefill_only_when_set(tmp_path: Path) -> Non
     (tmp_path / "s.yaml").write_text(seeded)
     warnings = [d.message for d in load_topology(tmp_path / "s.yaml").warnings]
     assert any("pull_cost_seed is unused with pull_decision: threshold" in w for w in warnings), warnings
+
+
+def _router_paths_of(topology: object) -> dict[str, object] | None:
+    from bpdkv.render import router_paths
+
+    return router_paths(topology).get("paths")  # type: ignore[arg-type]
+
+
+def test_the_step_budget_is_off_where_a_d_shares_its_device_with_a_p() -> None:
+    """Sending a turn through P spares D's streams nothing when P computes on D's own GPU (or CPU)."""
+    shared = load_topology(ROOT / "examples" / "h200-shared-qwen3-8b.yaml").topology
+    apart = load_topology(ROOT / "examples" / "h200x2-qwen3-8b.yaml").topology
+    assert _router_paths_of(shared) == {"local_max_step_cost": 0}
+    assert _router_paths_of(apart) is None  # the router's default budget (contracts.ROUTER_PATHS_DEFAULTS)
+    text = (ROOT / "examples" / "h200-shared-qwen3-8b.yaml").read_text()
+    assert "\nrouter:" not in text
+    chosen = text + "router:\n  paths: {local_max_step_cost: 0.1}\n"  # what the topology sets wins
+    assert _router_paths_of(validate_document(parse_yaml(chosen, "shared")).topology) == {"local_max_step_cost": 0.1}
