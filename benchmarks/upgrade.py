@@ -156,9 +156,10 @@ class Load:
                             return
                         for choice in chunk.get("choices", []):
                             piece = (choice.get("delta") or {}).get("content") or ""
-                            if piece and not parts:
+                            if piece and not parts:  # the first text (vLLM's first chunk has the role and no text)
                                 rec.ttft_ms = (time.perf_counter() - t0) * 1000
-                            parts.append(piece)
+                            if piece:
+                                parts.append(piece)
                 rec.text = "".join(parts)
                 if not parts:
                     rec.ttft_ms = (time.perf_counter() - t0) * 1000

@@ -39,6 +39,7 @@ MODEL_CACHE = Path("/var/cache/bpdkv/tiny-cpu")
 WHEELHOUSE = Path("/var/cache/bpdkv/wheelhouse-local-cpu")
 SUPERVISOR_LOG = "/var/log/journal/bpdkv-lab-supervisor.log"
 OLD_D = "bpdkv-decode-1.service"  # host2's D: the old generation's last D while step 1 moves host1
+BASELINE_TURNS = 10  # turns served before the roll starts (its TTFT baseline)
 
 
 def prepare_lab(lab: TestHosts) -> None:
@@ -147,7 +148,8 @@ def run_faulted_roll(lab: TestHosts, work: Path) -> dict[str, Any]:
     load.start()
     killed: dict[str, Any] = {}
     try:
-        until("a turn served before the roll", lambda: any(not r.error for r in load.records), 300)
+        # A baseline before the roll: TTFT before vs during is the roll's cost to clients (issue 45 item 5).
+        until(f"{BASELINE_TURNS} turns served before the roll", lambda: sum(not r.error for r in load.records) >= BASELINE_TURNS, 300)
         roll_started = time.time()
         planned = upgrade.bpdkv("plan", str(new_topo), "--output", "json", "--no-diff")
         plan = json.loads(planned.stdout)
@@ -307,3 +309,4 @@ def test_clients_see_errors_only_while_no_generation_serves_and_every_answer_is_
     assert rolled["cross_generation_reads"] == 0, rolled["cross_generation_lines"]
     assert len(rolled["handshakes_by_compat_hash"]) >= 2, rolled["handshakes_by_compat_hash"]  # pairs in each generation
     assert rolled["answers_equal"], rolled["answers_unequal"]
+    assert rolled["ttft_p99_before_ms"] > 0 and rolled["ttft_p99_during_ms"] > 0, "no TTFT baseline before the roll"
