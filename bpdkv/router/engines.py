@@ -2,7 +2,7 @@
 inter-token gap histogram, and P's measured prefill rate from the node plugin), read about once a second per upstream,
 bounded (one read per upstream in flight, a timeout, at most MAX_METRICS_BYTES scanned). What placement
 (upstreams.Pool.pick) and the path decision (paths.py) read; a signal older than STALE_AFTER intervals is not used (the
-router's own outstanding counts are). D's step time is the median gap over a window of these reads (steps.py)."""
+router's own outstanding counts are). D's step time comes from a window of these reads (steps.py)."""
 
 from __future__ import annotations
 
